@@ -1,0 +1,191 @@
+"""One typed run config for all four stages: YAML file + dotted overrides, unknown keys are errors.
+
+    cfg = load_config("configs/smollm2-135m-instruct.yaml", ["train.lr=3e-4", "eval.max_prompts=4"])
+
+Every field carries a `help` string; `describe()` turns them into the text `--help` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class TargetConfig:
+    model: str = _f("smollm2-135m-instruct", "alias of an embedded model, or a local HF model dir")
+    dtype: str = _f("float32", "float32 | bfloat16 | float16 (use float32 on CPU: bf16 matmul is slow there)")
+    device: str = _f("auto", "auto | cpu | cuda | cuda:N")
+
+
+@dataclass
+class DataGenConfig:
+    backend: str = _f("hf", "hf (in-process target)")
+    prompts: str = _f("sharegpt", "sharegpt (embedded ShareGPT V3) or a .json/.jsonl file of prompts")
+    num_samples: int = _f(256, "training prompts to answer (taken from the train split)")
+    heldout_percent: float = _f(2.0, "percent of prompt ids held out for eval (split by id hash)")
+    max_prompt_tokens: int = _f(256, "prompts longer than this (templated) are skipped, with a count")
+    max_new_tokens: int = _f(128, "answer length cap; capped answers are kept and flagged")
+    temperature: float = _f(0.0, "0 = greedy")
+    batch_size: int = _f(16, "prompts generated together")
+    part_samples: int = _f(64, "samples per committed parquet part (resume granularity)")
+
+
+@dataclass
+class ExtractConfig:
+    engine: str = _f("hf", "hf (in-process target)")
+    aux_layers: list[int] | None = _f(None, "input-of-layer ids; default [2, L//2, L-3]")
+    batch_tokens: int = _f(4096, "token budget of one forward batch")
+    shard_mb: int = _f(256, "approximate size of one shard file")
+    dtype: str = _f("bfloat16", "storage dtype of aux/final: bfloat16 | float32")
+
+
+@dataclass
+class TrainConfig:
+    ttt_steps: int = _f(7, "training-time-test unroll K")
+    loss_decay: float = _f(0.8, "weight of step k is decay**k")
+    draft_vocab_size: int = _f(8192, "rows of the draft lm_head (top tokens by frequency)")
+    epochs: int = _f(4, "passes over the shards")
+    batch_size: int = _f(4, "samples per micro-batch (per process)")
+    grad_accum: int = _f(1, "micro-batches per optimizer step")
+    max_len: int = _f(2048, "samples are truncated to this many tokens")
+    lr: float = _f(1e-4, "peak learning rate (AdamW, cosine)")
+    warmup_ratio: float = _f(0.015, "fraction of steps spent warming up")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    grad_clip: float = _f(0.5, "max grad norm")
+    log_every: int = _f(10, "optimizer steps between log lines")
+    save_every: int = _f(0, "optimizer steps between checkpoints (0: at each epoch end)")
+    init_lm_head_from_target: bool = _f(True, "start lm_head from the target's rows of the draft vocab")
+    wandb_mode: str = _f("offline", "offline | online | disabled")
+    wandb_project: str = _f("eagle3", "W&B project")
+    mixed_precision: str = _f("no", "no | bf16 (Accelerate)")
+
+
+@dataclass
+class EvalConfig:
+    prompts: str = _f("heldout", "heldout (held-out ShareGPT) or a .jsonl file (MT-Bench / prompt / ShareGPT)")
+    max_prompts: int = _f(16, "prompts evaluated")
+    max_new_tokens: int = _f(96, "tokens generated per prompt")
+    draft_steps: int = _f(5, "chain length K drafted per verification")
+    temperature: float = _f(0.0, "only 0 (greedy) is supported")
+
+
+@dataclass
+class RunConfig:
+    name: str = _f("smollm2-135m-instruct", "run name; run dir defaults to runs/<name>")
+    seed: int = _f(0, "seed for everything random")
+    run_dir: str = _f("", "output root (default runs/<name>)")
+    cache_dir: str = _f("", "model cache (default $EAGLE3_CACHE or ~/.cache/eagle3)")
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data_gen: DataGenConfig = field(default_factory=DataGenConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir or Path("runs") / self.name)
+
+
+def _check_value(value, tp, where: str):
+    """Return value coerced to tp, or raise ValueError naming the field."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_value(value, a, where)
+            except ValueError:
+                pass
+        raise ValueError(f"{where}: expected {tp}, got {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        return [_check_value(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        return _from_dict(tp, value, where)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool):
+        raise ValueError(f"{where}: expected true/false, got {value!r}")
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{where}: expected an integer, got {value!r}")
+    if not isinstance(value, tp):
+        raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _from_dict(cls, data: dict, where: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ValueError(f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(names))})")
+    kwargs = {k: _check_value(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict, key: str, value) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {key}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML run config (or defaults), apply `a.b=value` overrides, validate every key."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path} (pass --config configs/<name>.yaml)")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: top level must be a mapping")
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ValueError(f"override {ov!r}: expected key=value, e.g. train.lr=3e-4")
+        key, raw = ov.split("=", 1)
+        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    try:
+        return _from_dict(RunConfig, data, "")
+    except ValueError as e:
+        raise ValueError(f"{path or 'config'}: {e}") from None
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def describe(cls=RunConfig, prefix: str = "") -> str:
+    """Help text: every dotted key with its default and its help string."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config")):
+            lines.append(describe(typing.get_type_hints(cls)[f.name], f"{prefix}{f.name}."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {prefix}{f.name} = {default!r}: {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""Conversations (data_gen -> extract): parquet parts written with HF datasets, one row per sample.
+
+Row: id, messages [{role, content}], input_ids int32[], loss_mask uint8[] (1 exactly on tokens the
+target generated, end-of-turn included), finish_reason ("stop" | "length"), template_hash, model_id.
+Parts are append-only and committed atomically, so the set of ids already written is the resume point.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import datasets
+import pyarrow.parquet as pq
+
+from core.atomic_io import atomic_write
+
+FEATURES = datasets.Features({
+    "id": datasets.Value("string"),
+    "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+    "input_ids": datasets.List(datasets.Value("int32")),
+    "loss_mask": datasets.List(datasets.Value("uint8")),
+    "finish_reason": datasets.Value("string"),
+    "template_hash": datasets.Value("string"),
+    "model_id": datasets.Value("string"),
+})
+
+
+def template_hash(chat_template: str) -> str:
+    return hashlib.sha256(chat_template.encode()).hexdigest()[:16]
+
+
+def part_files(conv_dir: Path) -> list[Path]:
+    return sorted(Path(conv_dir).glob("part-*.parquet"))
+
+
+def write_part(conv_dir: Path, rows: list[dict]) -> Path:
+    """Commit rows as the next part file (atomic)."""
+    conv_dir = Path(conv_dir)
+    n = len(part_files(conv_dir))
+    ds = datasets.Dataset.from_list(rows, features=FEATURES)
+    return atomic_write(conv_dir / f"part-{n:05d}.parquet", lambda p: ds.to_parquet(str(p)))
+
+
+def read_conversations(conv_dir: Path) -> datasets.Dataset:
+    files = part_files(conv_dir)
+    if not files:
+        raise FileNotFoundError(f"no conversations in {conv_dir}: run `make generate` first")
+    tables = [pq.read_table(f) for f in files]
+    return datasets.concatenate_datasets([datasets.Dataset(t) for t in tables])
+
+
+def done_ids(conv_dir: Path) -> set[str]:
+    return {i for f in part_files(conv_dir) for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()}

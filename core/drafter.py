@@ -1,0 +1,247 @@
+"""The EAGLE-3 drafter, with module names equal to what SGLang's LlamaForCausalLMEagle3 loads.
+
+Shapes: B batch, T tokens, H draft hidden (= target hidden), Ht target hidden, V target vocab,
+Vd draft vocab, nh/nkv heads, d head dim.
+
+    g        = fc(aux)                                   # [B,T,3Ht] -> [B,T,H]; first step only
+    x        = cat(input_layernorm(embed(tok)), hidden_norm(g))       # [B,T,2H]
+    h        = g + o_proj(attn(q, k, v of x))
+    h2       = h + mlp(post_attention_layernorm(h))      # pre-norm output: the next step's input
+    logits   = lm_head(norm(h2))                         # [B,T,Vd]
+
+Attention is left to the caller (`qkv` / `finish`), because training (TTT diagonal mask,
+train/ttt_loss.py) and decoding (KV cache, `forward` below) attend differently.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from core.atomic_io import atomic_write, atomic_write_json
+from core.aux_layers import aux_layers_from_sglang, sglang_layer_ids
+
+# What the export holds, each name checked against SGLang's loader in tests/test_export.py.
+EXPORT_EXCLUDE = ("embed_tokens.weight",)  # SGLang and eval take the embedding from the target
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layers: list[int] = field(default_factory=list)  # input-of-layer convention
+    target_model_type: str = "llama"
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+
+    def to_sglang(self) -> dict:
+        """config.json SGLang (LlamaForCausalLMEagle3) and vLLM read."""
+        ids = sglang_layer_ids(self.aux_layers, self.target_model_type)
+        cfg = {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "hidden_act": self.hidden_act,
+            "rope_theta": self.rope_theta, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            # ours, for tools that read the input-of-layer convention (vLLM speculators: unshifted)
+            "eagle3_training": {"aux_layers_input_convention": self.aux_layers,
+                                "target_model_type": self.target_model_type},
+        }
+        if self.target_hidden_size != self.hidden_size:
+            cfg["target_hidden_size"] = self.target_hidden_size
+        return cfg
+
+    @classmethod
+    def from_sglang(cls, cfg: dict, target_model_type: str, target_num_layers: int) -> DrafterConfig:
+        if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
+            raise ValueError(f"drafter config.json: architectures = {cfg.get('architectures')}, "
+                             "expected ['LlamaForCausalLMEagle3']")
+        if cfg.get("tie_word_embeddings"):
+            raise ValueError("drafter config.json: tie_word_embeddings must be false")
+        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        hidden = cfg["hidden_size"]
+        rope = cfg.get("rope_parameters") or {}
+        return cls(
+            hidden_size=hidden, intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            head_dim=cfg.get("head_dim") or hidden // cfg["num_attention_heads"],
+            vocab_size=cfg["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            target_hidden_size=cfg.get("target_hidden_size", hidden),
+            aux_layers=aux_layers_from_sglang(ids, target_model_type, target_num_layers),
+            target_model_type=target_model_type, rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            hidden_act=cfg.get("hidden_act", "silu"))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama (rotate-half) RoPE. x [B,n,T,d], positions [B,T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = positions.float()[:, None, :, None] * inv_freq  # [B,1,T,d/2]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+
+class DraftCache:
+    """K/V of positions the drafter has seen, [B, nkv, L, d]; crop() drops drafted entries."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.requires_grad_(False)  # the target's embedding, frozen
+        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = MidLayer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+
+    def qkv(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """hidden [B,T,3Ht] (target aux: step 0) or [B,T,H] (previous step's h2).
+        Returns q [B,nh,T,d], k/v [B,nkv,T,d] (RoPE applied) and the residual [B,T,H]."""
+        c, layer = self.config, self.midlayer
+        if hidden.shape[-1] == 3 * c.target_hidden_size and hidden.shape[-1] != c.hidden_size:
+            hidden = self.fc(hidden)
+        x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], -1)
+        b, t, _ = x.shape
+        q = layer.self_attn.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = layer.self_attn.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = layer.self_attn.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta), v, hidden
+
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor):
+        """attn [B,nh,T,d] -> (draft logits [B,T,Vd], h2 [B,T,H])."""
+        layer = self.midlayer
+        b, _, t, _ = attn.shape
+        h = residual + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        h2 = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.norm(h2)), h2
+
+    def forward(self, hidden, tokens, positions, cache: DraftCache):
+        """Decode-time step over T new positions, attending causally to the cache plus themselves."""
+        q, k, v, residual = self.qkv(hidden, tokens, positions)
+        past = len(cache)
+        k_all, v_all = cache.append(k, v)
+        t, total = q.shape[2], k_all.shape[2]
+        allowed = torch.arange(total, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
+        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, enable_gqa=True)
+        return self.finish(attn, residual)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # ---- SGLang-format checkpoint -------------------------------------------------------------
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        sd = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items() if k not in EXPORT_EXCLUDE}
+        return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in sd.items()}
+
+    def save_pretrained(self, out_dir: Path) -> None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        sd = self.export_state_dict()
+        atomic_write(out_dir / "model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
+        atomic_write_json(out_dir / "config.json", self.config.to_sglang())
+        atomic_write_json(out_dir / "eagle3_drafter.json", asdict(self.config))
+
+    @classmethod
+    def from_pretrained(cls, in_dir: Path, embed_weight: torch.Tensor, target_model_type: str,
+                        target_num_layers: int) -> Eagle3Drafter:
+        """Load any SGLang-format drafter dir (ours or another trainer's); embedding from the target."""
+        in_dir = Path(in_dir)
+        cfg_path = in_dir / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{cfg_path} missing: not a drafter dir (run `make train` first)")
+        c = DrafterConfig.from_sglang(json.loads(cfg_path.read_text()), target_model_type, target_num_layers)
+        model = cls(c)
+        sd = {k.removeprefix("model.").replace("layers.0.", "midlayer."): v
+              for k, v in load_file(str(in_dir / "model.safetensors")).items()}
+        sd["embed_tokens.weight"] = embed_weight
+        if "d2t" not in sd:  # full-vocab head: identity mapping
+            sd["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.int64)
+            sd["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
+        missing, unexpected = model.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                     for k, v in sd.items()}, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{in_dir}/model.safetensors: missing {missing}, unexpected {unexpected}")
+        return model

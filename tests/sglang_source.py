@@ -1,0 +1,249 @@
+"""Check exports against the REAL SGLang 0.5.23 source, read at test time.
+
+SGLang is not importable on a CPU machine (its package pulls in triton and the CUDA stack), but
+the parts that decide whether a drafter checkpoint loads are plain Python. So we install the
+wheel with `--no-deps --target` into a cache dir, parse the files with `ast`, and execute the
+bodies that matter (`load_weights`, `set_eagle3_layers_to_capture`) against stand-in objects.
+A hand-written copy of the loader's name mapping would drift silently; this cannot.
+
+An install failure raises RuntimeError: the tests must fail loudly, never skip.
+"""
+
+import __future__  # for the postponed-annotations compiler flag
+
+import ast
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+
+SGLANG_VERSION = "0.5.23"
+EAGLE3_FILE = "srt/models/llama_eagle3.py"
+LLAMA_FILE = "srt/models/llama.py"
+# Taken from the target model at load time, so a drafter checkpoint need not carry it.
+FROM_TARGET = {"model.embed_tokens.weight"}
+
+
+@functools.lru_cache(maxsize=None)
+def sglang_root() -> Path:
+    """Path of the `sglang` package dir of sglang==0.5.23, pip-installed once into the cache.
+
+    Installs into a temp dir next to the final one and renames it into place, so an interrupted
+    or concurrent install never leaves a half-populated cache behind.
+    """
+    cache = Path(os.environ.get("EAGLE3_CACHE") or Path.home() / ".cache" / "eagle3")
+    target = cache / f"sglang-{SGLANG_VERSION}"
+    marker = f"sglang-{SGLANG_VERSION}.dist-info"
+    if (target / marker).is_dir() and (target / "sglang" / EAGLE3_FILE).is_file():
+        return target / "sglang"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".sglang-install-", dir=target.parent))
+    try:
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile",
+               "--disable-pip-version-check", "--target", str(tmp), f"sglang=={SGLANG_VERSION}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-20:])
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (rc={proc.returncode}):\n{tail}")
+        if not (tmp / marker).is_dir():
+            raise RuntimeError(f"pip succeeded but {marker} is missing in {tmp}")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        if target.exists() and not (target / "sglang" / EAGLE3_FILE).is_file():
+            shutil.rmtree(target)  # a broken leftover (not ours to reuse)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "sglang" / EAGLE3_FILE).is_file():  # lost a race to a good copy: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target / "sglang"
+
+
+# ----------------------------------------------------------------------------- ast helpers
+@functools.lru_cache(maxsize=None)
+def _parse(rel_path: str) -> ast.Module:
+    path = sglang_root() / rel_path
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def source_class(rel_path: str, name: str) -> ast.ClassDef:
+    """The top-level class `name` of an SGLang source file (AssertionError if absent)."""
+    for node in _parse(rel_path).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise AssertionError(f"class {name} not found in sglang/{rel_path} ({SGLANG_VERSION})")
+
+
+def source_method(rel_path: str, cls: str, name: str) -> ast.FunctionDef:
+    for node in source_class(rel_path, cls).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise AssertionError(f"{cls}.{name} not found in sglang/{rel_path} ({SGLANG_VERSION})")
+
+
+def _self_assigned(cls: ast.ClassDef) -> set[str]:
+    """Dotted attribute paths assigned as `self.<path> = ...` anywhere in the class."""
+    found = set()
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AnnAssign) else [])
+        for tgt in targets:
+            parts = []
+            while isinstance(tgt, ast.Attribute):
+                parts.append(tgt.attr)
+                tgt = tgt.value
+            if isinstance(tgt, ast.Name) and tgt.id == "self" and parts:
+                found.add(".".join(reversed(parts)))
+    return found
+
+
+def _compile_method(rel_path: str, cls: str, name: str, namespace: dict) -> types.FunctionType:
+    """Compile the real method's AST into a plain function whose globals are `namespace`.
+
+    Annotations are postponed (never evaluated), so only names the body uses must exist.
+    """
+    fn = source_method(rel_path, cls, name)
+    module = ast.Module(body=[fn], type_ignores=[])
+    code = compile(module, str(sglang_root() / rel_path), "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    exec(code, namespace)
+    return namespace[name]
+
+
+# ----------------------------------------------------------------------------- parameter names
+# (file, class, attribute paths the default-config parameter names rely on)
+_REQUIRED_ATTRS = [
+    (EAGLE3_FILE, "LlamaForCausalLMEagle3", {"model", "lm_head"}),
+    (EAGLE3_FILE, "LlamaModel", {"embed_tokens", "fc", "layers", "norm"}),
+    (EAGLE3_FILE, "LlamaDecoderLayer", {"hidden_norm", "self_attn.qkv_proj", "mlp"}),
+    (LLAMA_FILE, "LlamaDecoderLayer", {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}),
+    (LLAMA_FILE, "LlamaAttention", {"qkv_proj", "o_proj"}),
+    (LLAMA_FILE, "LlamaMLP", {"gate_up_proj", "down_proj"}),
+]
+
+
+def sglang_eagle3_param_names(num_layers: int = 1) -> set[str]:
+    """Parameter names of LlamaForCausalLMEagle3 with default config flags.
+
+    Defaults: no fc_norm, no norm_before_fc, tie_word_embeddings false, no fc bias. Every module
+    attribute the names rely on is first verified to be assigned in the real source.
+    """
+    missing = [f"{cls}.{attr} (sglang/{f})" for f, cls, attrs in _REQUIRED_ATTRS
+               for attr in sorted(attrs - _self_assigned(source_class(f, cls)))]
+    if missing:
+        raise AssertionError(f"SGLang {SGLANG_VERSION} source lacks `self.<attr> = ...` for: {missing}")
+    names = {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight"}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        names |= {p + s for s in ("input_layernorm.weight", "hidden_norm.weight",
+                                  "post_attention_layernorm.weight", "self_attn.qkv_proj.weight",
+                                  "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
+                                  "mlp.down_proj.weight")}
+    return names
+
+
+# ----------------------------------------------------------------------------- load_weights
+class _StandInParam:
+    """Stands in for an nn.Parameter: its weight_loader records instead of copying."""
+
+    def __init__(self, name: str, calls: list):
+        self.name, self._calls = name, calls
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        self._calls.append((param.name, shard_id, tuple(loaded_weight.shape)))
+
+
+def run_sglang_load_weights(tensors: dict[str, torch.Tensor], num_layers: int = 1) -> dict:
+    """Run the real LlamaForCausalLMEagle3.load_weights body over `tensors`.
+
+    Returns {"loaded": {param: [shard ids or None]}, "ignored": [input names the loader dropped],
+    "hot_token_id": tensor or None, "calls": [(input name, param, shard id, shape)]}.
+    """
+    calls: list = []  # (param name, shard id, shape), appended by every weight loader
+
+    def default_weight_loader(param, loaded_weight):  # used only for params without weight_loader
+        calls.append((param.name, None, tuple(loaded_weight.shape)))
+
+    namespace = {"torch": torch, "Iterable": Iterable, "Tuple": Tuple, "Optional": Optional,
+                 "List": List, "default_weight_loader": default_weight_loader}
+    load_weights = _compile_method(EAGLE3_FILE, "LlamaForCausalLMEagle3", "load_weights", namespace)
+
+    params = {n: _StandInParam(n, calls) for n in sorted(sglang_eagle3_param_names(num_layers))}
+    stand_in_self = types.SimpleNamespace(named_parameters=lambda: iter(params.items()), hot_token_id=None)
+
+    per_input: dict[str, list] = {}
+
+    def weights():  # the loader handles each item fully before it pulls the next one
+        for name, tensor in tensors.items():
+            start = len(calls)
+            yield name, tensor
+            per_input[name] = calls[start:]
+
+    load_weights(stand_in_self, weights())
+    assert list(per_input) == list(tensors), "load_weights did not consume every input tensor"
+
+    loaded: dict[str, list] = {}
+    records = []
+    for name, got in per_input.items():
+        for param_name, shard_id, shape in got:
+            loaded.setdefault(param_name, []).append(shard_id)
+            records.append((name, param_name, shard_id, shape))
+    # The loader's own test is a substring match on "d2t" / "t2d" (both are consumed silently).
+    ignored = [n for n, got in per_input.items() if not got and "d2t" not in n and "t2d" not in n]
+    return {"loaded": loaded, "ignored": ignored, "hot_token_id": stand_in_self.hot_token_id,
+            "calls": records}
+
+
+def check_drafter_tensor_names(tensors: dict[str, torch.Tensor], num_layers: int = 1) -> list[str]:
+    """Problems SGLang's real loader would hit with these tensor names; [] means OK.
+
+    The loader never complains itself: an unknown name is dropped and the parameter keeps its
+    random init, so serving runs with a broken drafter. This turns that into a list of errors.
+    """
+    result = run_sglang_load_weights(tensors, num_layers)
+    loaded = result["loaded"]
+    problems = [f"{n}: ignored by SGLang's load_weights (no such parameter)" for n in result["ignored"]]
+    for param in sorted(sglang_eagle3_param_names(num_layers) - FROM_TARGET):
+        if param not in loaded:
+            problems.append(f"{param}: never loaded (stays randomly initialised)")
+    expected_shards = {"qkv_proj.weight": ["k", "q", "v"], "gate_up_proj.weight": [0, 1]}
+    for param, shards in sorted(loaded.items()):
+        want = next((v for k, v in expected_shards.items() if param.endswith(k)), [None])
+        if sorted(shards, key=str) != sorted(want, key=str):
+            problems.append(f"{param}: loaded with shards {shards}, expected each of {want} once")
+    if result["hot_token_id"] is None:
+        problems.append("d2t missing: SGLang gets no hot_token_id (draft->target id map)")
+    return problems
+
+
+# ----------------------------------------------------------------------------- aux layer ids
+def sglang_capture_layers(model_file: str, layer_ids: list[int] | None, num_layers: int) -> list[int]:
+    """Layers SGLang captures for `--return-aux-hidden-state-layer-ids layer_ids`.
+
+    Executes the real `set_eagle3_layers_to_capture` of `model_file` ("llama.py",
+    "deepseek_v2.py" or a path under sglang/) on a stand-in last-PP-rank model.
+    """
+    rel = model_file if "/" in model_file else f"srt/models/{model_file}"
+    rel = rel if rel.endswith(".py") else rel + ".py"
+    owners = [n.name for n in _parse(rel).body if isinstance(n, ast.ClassDef) and any(
+        isinstance(f, ast.FunctionDef) and f.name == "set_eagle3_layers_to_capture" for f in n.body)]
+    if len(owners) != 1:
+        raise AssertionError(f"expected one class defining set_eagle3_layers_to_capture in sglang/{rel}, "
+                             f"found {owners}")
+    namespace = {"torch": torch, "Optional": Optional, "List": List}
+    method = _compile_method(rel, owners[0], "set_eagle3_layers_to_capture", namespace)
+    stand_in = types.SimpleNamespace(
+        pp_group=types.SimpleNamespace(is_last_rank=True),
+        config=types.SimpleNamespace(num_hidden_layers=num_layers),
+        model=types.SimpleNamespace(), capture_aux_hidden_states=False)
+    method(stand_in, None if layer_ids is None else list(layer_ids))
+    assert stand_in.capture_aux_hidden_states, f"{rel}: set_eagle3_layers_to_capture did not enable capture"
+    return list(stand_in.model.layers_to_capture)
