@@ -122,8 +122,11 @@ def _check_value(value, tp, where: str):
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected a mapping, got {value!r}")
         return _from_dict(tp, value, where)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if tp is float and not isinstance(value, bool) and isinstance(value, (int, str)):
+        try:  # YAML 1.1 reads "3e-4" as a string
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{where}: expected a number, got {value!r}") from None
     if tp is bool and not isinstance(value, bool):
         raise ValueError(f"{where}: expected true/false, got {value!r}")
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):

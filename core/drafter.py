@@ -190,13 +190,16 @@ class Eagle3Drafter(nn.Module):
         v = layer.self_attn.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         return apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta), v, hidden
 
-    def finish(self, attn: torch.Tensor, residual: torch.Tensor):
-        """attn [B,nh,T,d] -> (draft logits [B,T,Vd], h2 [B,T,H])."""
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn [B,nh,T,d] -> h2 [B,T,H], the pre-norm output the next step consumes."""
         layer = self.midlayer
         b, _, t, _ = attn.shape
         h = residual + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-        h2 = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(self.norm(h2)), h2
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, h2: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> draft-vocab logits [..., Vd]."""
+        return self.lm_head(self.norm(h2))
 
     def forward(self, hidden, tokens, positions, cache: DraftCache):
         """Decode-time step over T new positions, attending causally to the cache plus themselves."""
@@ -206,7 +209,8 @@ class Eagle3Drafter(nn.Module):
         t, total = q.shape[2], k_all.shape[2]
         allowed = torch.arange(total, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
         attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, enable_gqa=True)
-        return self.finish(attn, residual)
+        h2 = self.finish(attn, residual)
+        return self.logits(h2), h2
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

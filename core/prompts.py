@@ -237,10 +237,9 @@ def split_of(prompt_id: str, heldout_percent: float) -> str:
 
 
 def load_prompts(source: str, split: str, heldout_percent: float) -> list[Prompt]:
-    """source "sharegpt": that split of the packaged ShareGPT; otherwise a user prompt file (unsplit)."""
+    """That split of source: "sharegpt" (the packaged ShareGPT) or a user prompt file. Both are split
+    the same way, so held-out eval prompts never appear in the training data."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if source != "sharegpt":
-        return load_prompt_file(Path(source))
-    prompts, _ = load_sharegpt()
+    prompts = load_sharegpt()[0] if source == "sharegpt" else load_prompt_file(Path(source))
     return [p for p in prompts if split_of(p.id, heldout_percent) == split]

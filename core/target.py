@@ -166,3 +166,24 @@ def end_of_turn_ids(tokenizer, model_config=None) -> list[int]:
     eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
     ids.update(eos if isinstance(eos, list) else [eos])
     return sorted(i for i in ids if i is not None)
+
+
+def load_target_embeddings(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens [V,H], lm_head [V,H]) read straight from the target's safetensors (no full load)."""
+    import json
+
+    from safetensors import safe_open
+
+    path = resolve_target(cfg)
+    index = path / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else ["model.safetensors"])
+    found: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("embed_tokens.weight") or key == "lm_head.weight":
+                    found["lm_head" if key == "lm_head.weight" else "embed"] = f.get_tensor(key).float()
+    if "embed" not in found:
+        raise ValueError(f"{path}: no embed_tokens.weight in its safetensors")
+    return found["embed"], found.get("lm_head", found["embed"])  # tied embeddings share the matrix

@@ -106,8 +106,11 @@ def test_load_prompts_sharegpt_splits_partition_the_kept_prompts(sharegpt, monke
 
 @pytest.mark.skipif(not MT_BENCH.is_file(), reason=f"{MT_BENCH} absent")
 def test_mt_bench_file():
-    prompts = load_prompts(str(MT_BENCH), "heldout", 5.0)  # user files are not split
+    prompts = load_prompt_file(MT_BENCH)
     assert len(prompts) == 80
+    train = load_prompts(str(MT_BENCH), "train", 5.0)  # user files split like ShareGPT
+    heldout = load_prompts(str(MT_BENCH), "heldout", 5.0)
+    assert len(train) + len(heldout) == 80 and not {p.id for p in train} & {p.id for p in heldout}
     assert prompts[0].id == "81" and prompts[0].messages[0]["content"].startswith("Compose an engaging")
     assert all(len(p.messages) == 1 and p.messages[0]["role"] == "user" for p in prompts)
 

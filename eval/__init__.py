@@ -1,0 +1,1 @@
+"""Stage 4: drafter + target -> acceptance length, throughput vs the plain target, report."""

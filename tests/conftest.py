@@ -1,0 +1,30 @@
+"""Shared fixtures: real configs pointed at tmp run dirs; targets come from the embedded packages."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    """The debug config (4-layer random Llama, SmolLM2 tokenizer) writing under tmp_path."""
+    return load_config(ROOT / "configs/tiny-random-llama.yaml", [f"run_dir={tmp_path / 'run'}"])
+
+
+@pytest.fixture
+def smol_cfg(tmp_path):
+    return load_config(ROOT / "configs/smollm2-135m-instruct.yaml", [f"run_dir={tmp_path / 'run'}"])
+
+
+def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `python -m <stage> ...` from the repo root, as a user would."""
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args[0]} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc

@@ -1,0 +1,45 @@
+import pytest
+
+from core.config import describe, load_config
+from tests.conftest import ROOT, run_cli
+
+
+def test_default_config_loads_and_overrides_apply():
+    cfg = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", ["train.lr=3e-4", "extract.aux_layers=[1,2,3]"])
+    assert cfg.train.lr == 3e-4 and cfg.extract.aux_layers == [1, 2, 3]
+    assert cfg.run_path.as_posix() == "runs/smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lrr=1", "unknown config key train.lrr"),
+    ("nosuch.x=1", "unknown config key nosuch"),
+    ("train.epochs=two", "train.epochs: expected an integer"),
+    ("train.init_lm_head_from_target=3", "expected true/false"),
+    ("train.lr", "expected key=value"),
+])
+def test_bad_config_is_a_clear_error(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(ROOT / "configs/smollm2-135m-instruct.yaml", [override])
+
+
+def test_unknown_key_in_yaml_names_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  epochs: 1\n  ttt_stepz: 3\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: unknown config key train.ttt_stepz"):
+        load_config(bad)
+
+
+def test_cli_rejects_bad_key_with_one_line_and_exit_2():
+    proc = run_cli("extract", "train.bogus=1", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "extract: error: configs/smollm2-135m-instruct.yaml: unknown config key train.bogus "
+        "(known: batch_size, draft_vocab_size, epochs, grad_accum, grad_clip, init_lm_head_from_target, "
+        "log_every, loss_decay, lr, max_len, mixed_precision, save_every, ttt_steps, wandb_mode, "
+        "wandb_project, warmup_ratio, weight_decay)")
+
+
+def test_help_lists_every_key():
+    text = describe()
+    for key in ("target.model", "data_gen.num_samples", "extract.aux_layers", "train.ttt_steps", "eval.draft_steps"):
+        assert key in text

@@ -1,0 +1,81 @@
+"""The decode engine: batched generation == one-by-one, and speculative == greedy token for token."""
+
+import pytest
+import torch
+
+from core.chat import prompt_ids
+from core.decode import generate, speculative_generate
+from core.drafter import DrafterConfig, Eagle3Drafter
+from core.target import end_of_turn_ids, load_target
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+def untrained_drafter(model, aux_layers) -> Eagle3Drafter:
+    c = model.config
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterConfig(
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+        vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size, target_hidden_size=c.hidden_size,
+        aux_layers=aux_layers))
+    d.embed_tokens.weight.data.copy_(model.model.embed_tokens.weight)
+    return d.eval()
+
+
+@pytest.fixture(scope="module", params=["tiny", "smol"])
+def target(request, tmp_path_factory):
+    from core.config import load_config
+    from tests.conftest import ROOT
+
+    name = {"tiny": "tiny-random-llama", "smol": "smollm2-135m-instruct"}[request.param]
+    cfg = load_config(ROOT / f"configs/{name}.yaml")
+    model, tok = load_target(cfg)
+    prompts = [prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    return model, tok, prompts, end_of_turn_ids(tok, model.generation_config)
+
+
+def test_batched_generation_equals_single(target):
+    model, _, prompts, stop = target
+    batched = generate(model, prompts, 12, stop)
+    for p, b in zip(prompts, batched, strict=True):
+        assert generate(model, [p], 12, stop)[0].tokens == b.tokens
+
+
+def test_speculative_equals_greedy_with_untrained_drafter(target):
+    model, _, prompts, stop = target
+    n = model.config.num_hidden_layers
+    d = untrained_drafter(model, [1, n // 2, n - 1])
+    for p in prompts:
+        greedy = generate(model, [p], 20, stop)[0]
+        spec = speculative_generate(model, d, p, 20, stop, draft_steps=3)
+        assert spec.tokens == greedy.tokens and spec.finish_reason == greedy.finish_reason
+        assert 1 + sum(spec.accept_lengths) >= len(spec.tokens) and all(1 <= a <= 4 for a in spec.accept_lengths)
+
+
+def test_speculative_with_perfect_drafts_accepts_everything(target, monkeypatch):
+    """If the drafter always proposes the target's own next tokens, every draft is accepted."""
+    model, _, prompts, stop = target
+    greedy = generate(model, [prompts[0]], 16, [])[0].tokens  # no stop: full length
+    n = model.config.num_hidden_layers
+    d = untrained_drafter(model, [1, n // 2, n - 1])
+    calls = iter(range(1000))
+
+    def oracle(_draft_ids):  # call c drafts round c // 3, slot c % 3; each round ends with a bonus
+        c = next(calls)
+        return torch.tensor((greedy + [0] * 8)[1 + 4 * (c // 3) + c % 3])
+
+    monkeypatch.setattr(d, "draft_to_target", oracle)
+    spec = speculative_generate(model, d, prompts[0], 16, [], draft_steps=3)
+    assert spec.tokens == greedy
+    assert spec.accept_lengths[:3] == [4, 4, 4]
+
+
+def test_generation_stops_at_end_of_turn(target):
+    model, tok, prompts, stop = target
+    out = generate(model, prompts, 64, stop)
+    for g in out:
+        if g.finish_reason == "stop":
+            assert g.tokens[-1] in stop and not set(g.tokens[:-1]) & set(stop)
+        else:
+            assert len(g.tokens) == 64

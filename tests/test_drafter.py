@@ -1,0 +1,142 @@
+"""Drafter shapes, TTT == decode-time drafting, overfitting one batch, and the SGLang export format."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core.drafter import DraftCache, DrafterConfig, Eagle3Drafter
+from tests.sglang_source import check_drafter_tensor_names, run_sglang_load_weights, sglang_capture_layers
+from train.draft_vocab import build_draft_vocab, d2t_offsets
+from train.ttt_loss import TTTObjective, teacher_targets, ttt_loss
+
+B, T, H, V, VD = 2, 12, 32, 100, 40
+
+
+def make_drafter(seed=0, vd=VD) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    c = DrafterConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, vocab_size=V, draft_vocab_size=vd, target_hidden_size=H,
+                      aux_layers=[2, 3, 5], target_model_type="llama", rope_theta=10000.0)
+    d = Eagle3Drafter(c)
+    draft_ids, t2d, _ = build_draft_vocab(torch.arange(V, 0, -1), vd)
+    d.d2t.copy_(d2t_offsets(draft_ids))
+    d.t2d.copy_(t2d)
+    torch.nn.init.normal_(d.embed_tokens.weight)
+    return d
+
+
+def batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VD, (B, T), generator=g)
+    mask = torch.zeros(B, T, dtype=torch.uint8)
+    mask[:, 3:] = 1
+    return torch.randn(B, T, 3 * H, generator=g), ids, mask, torch.randn(B, T, H, generator=g)
+
+
+def test_shapes():
+    d = make_drafter()
+    aux, ids, _, _ = batch()
+    q, k, v, res = d.qkv(aux, ids, torch.arange(T)[None].expand(B, T))
+    assert q.shape == (B, 4, T, 8) and k.shape == (B, 2, T, 8) and v.shape == k.shape and res.shape == (B, T, H)
+    logits, h2 = d(aux, ids, torch.arange(T)[None].expand(B, T), DraftCache())
+    assert logits.shape == (B, T, VD) and h2.shape == (B, T, H)
+    assert d.midlayer.self_attn.q_proj.weight.shape == (32, 2 * H)  # 2H-wide attention input
+    assert d.fc.weight.shape == (H, 3 * H) and d.lm_head.weight.shape == (VD, H)
+    assert not d.embed_tokens.weight.requires_grad
+
+
+@torch.no_grad()
+def test_ttt_unroll_equals_decode_time_drafting():
+    """Step k at position t of training == the k-th chained draft from t with a KV cache."""
+    d = make_drafter()
+    aux, ids, _, _ = batch()
+    steps, t0 = 4, 5
+    pos = torch.arange(T)[None].expand(B, T)
+    from train.ttt_loss import shift_left, ttt_attention
+    hidden, keys, values, train_logits = aux, [], [], []
+    for k in range(steps):
+        q, kk, vv, res = d.qkv(hidden, shift_left(ids, k + 1), pos + k)
+        keys.append(kk)
+        values.append(vv)
+        hidden = d.finish(ttt_attention(q, keys, values), res)
+        train_logits.append(d.logits(hidden)[:, t0])
+    cache = DraftCache()
+    logits, h = d(aux[:, : t0 + 1], ids[:, 1: t0 + 2], pos[:, : t0 + 1], cache)
+    torch.testing.assert_close(logits[:, t0], train_logits[0], rtol=1e-4, atol=1e-5)
+    h = h[:, t0:]
+    for k in range(1, steps):
+        logits, h = d(h, ids[:, t0 + k + 1: t0 + k + 2], pos[:, t0:t0 + 1] + k, cache)
+        torch.testing.assert_close(logits[:, 0], train_logits[k], rtol=1e-4, atol=1e-5)
+
+
+def test_overfits_one_batch():
+    d = make_drafter()
+    aux, ids, mask, final = batch()
+    lm_head = torch.randn(V, H) * 3
+    teacher = teacher_targets(final, mask, lm_head, torch.nonzero(d.t2d).flatten(), d.t2d)
+    obj = TTTObjective(d, steps=3, decay=0.8)
+    opt = torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=3e-3)
+    first = None
+    for _ in range(150):
+        loss, m = obj(aux, ids, mask, teacher)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    _, m = ttt_loss(d, aux, ids, mask, teacher, 3, 0.8)
+    assert all(a.item() == 1.0 for a in m["acc_k"]), m["acc_k"]
+    # soft CE floor is the teacher entropy; being far below the start shows it learned
+    assert loss.item() < 0.5 * first
+
+
+def test_teacher_drops_targets_outside_draft_vocab():
+    d = make_drafter()
+    final = torch.randn(1, 4, H)
+    lm_head = torch.zeros(V, H)
+    lm_head[V - 1] = final[0, 1] * 100  # argmax at position 1 -> token V-1, outside the draft vocab
+    _, _, in_vocab = teacher_targets(final, torch.ones(1, 4, dtype=torch.uint8), lm_head,
+                                     torch.nonzero(d.t2d).flatten(), d.t2d)
+    assert not bool(d.t2d[V - 1]) and in_vocab[0, 1].item() is False
+
+
+def test_export_matches_sglang_format(tmp_path):
+    d = make_drafter()
+    d.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["tie_word_embeddings"] is False
+    assert cfg["vocab_size"] == V and cfg["draft_vocab_size"] == VD and cfg["num_hidden_layers"] == 1
+    assert "target_hidden_size" not in cfg  # draft hidden == target hidden
+    # llama: SGLang adds +1 to explicit ids, so [1, 2, 4] makes it capture inputs of layers [2, 3, 5]
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 4], "use_aux_hidden_state": True}
+    assert sglang_capture_layers("llama.py", cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"], 8) == [2, 3, 5]
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert check_drafter_tensor_names(tensors) == []
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    hot = run_sglang_load_weights(tensors)["hot_token_id"]
+    assert torch.equal(hot, torch.nonzero(d.t2d).flatten())
+
+
+def test_export_round_trip(tmp_path):
+    d = make_drafter()
+    d.save_pretrained(tmp_path)
+    d2 = Eagle3Drafter.from_pretrained(tmp_path, d.embed_tokens.weight.data, "llama", 8)
+    assert d2.config.aux_layers == [2, 3, 5]
+    aux, ids, _, _ = batch()
+    pos = torch.arange(T)[None].expand(B, T)
+    with torch.no_grad():
+        a, _ = d(aux, ids, pos, DraftCache())
+        b, _ = d2(aux, ids, pos, DraftCache())
+    torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)  # bf16 export
+    assert torch.equal(d2.d2t, d.d2t) and torch.equal(d2.t2d, d.t2d)
+
+
+def test_from_pretrained_rejects_tied_head(tmp_path):
+    d = make_drafter()
+    d.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="tie_word_embeddings must be false"):
+        Eagle3Drafter.from_pretrained(tmp_path, d.embed_tokens.weight.data, "llama", 8)

@@ -1,0 +1,123 @@
+"""All four stages through their CLIs on the real SmolLM2 target at tiny sizes, then the contracts
+between them: loss-mask exactness, the aux-layer golden check, the export format, the report."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core.config import load_config
+from core.conversations import read_conversations
+from core.hidden_shards import HiddenShards
+from core.target import load_target
+from tests.conftest import ROOT, run_cli
+from tests.sglang_source import check_drafter_tensor_names, sglang_capture_layers
+
+TINY = ["data_gen.num_samples=6", "data_gen.max_new_tokens=24", "data_gen.batch_size=3", "data_gen.part_samples=3",
+        "extract.dtype=float32", "extract.batch_tokens=512",
+        "train.epochs=1", "train.ttt_steps=2", "train.batch_size=2", "train.draft_vocab_size=512",
+        "train.log_every=1", "eval.max_prompts=2", "eval.max_new_tokens=16", "eval.draft_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("smol") / "run"
+    flags = ["--config", "configs/smollm2-135m-instruct.yaml", "--run-dir", str(run_dir), *TINY]
+    logs = {stage: run_cli(stage, *flags).stderr for stage in ("data_gen", "extract", "train", "eval")}
+    cfg = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", [f"run_dir={run_dir}", *TINY])
+    return cfg, run_dir, flags, logs
+
+
+def test_loss_mask_is_exactly_the_generated_answer(run):
+    cfg, run_dir, _, _ = run
+    _, tok = load_target(cfg)
+    ds = read_conversations(run_dir / "conversations")
+    assert len(ds) == 6 and len(set(ds["id"])) == 6
+    for row in ds:
+        ids, mask = row["input_ids"], row["loss_mask"]
+        first = mask.index(1)
+        assert all(mask[first:]) and not any(mask[:first])  # one contiguous span at the end
+        span = tok.decode(ids[first:])
+        answer = row["messages"][-1]["content"]
+        expected = answer + "<|im_end|>" if row["finish_reason"] == "stop" else answer
+        assert span == expected
+        assert tok.decode(ids[:first]).endswith("<|im_start|>assistant\n")
+        assert row["finish_reason"] == "stop" or sum(mask) == 24
+
+
+def test_aux_layers_equal_hf_hidden_states(run):
+    """Golden: extracted aux for layer i == HF hidden_states[i] == the input of decoder layer i."""
+    cfg, run_dir, _, _ = run
+    model, _ = load_target(cfg)
+    shards = HiddenShards(run_dir / "hidden")
+    manifest = json.loads((run_dir / "hidden/manifest.json").read_text())
+    layers = manifest["compat"]["aux_layers"]
+    assert layers == [2, 15, 27]
+    inputs = {}
+    hooks = [model.model.layers[i].register_forward_pre_hook(
+        lambda _m, args, kw, i=i: inputs.__setitem__(i, (args[0] if args else kw["hidden_states"]).clone()),
+        with_kwargs=True) for i in layers]
+    for sid in shards.ids[:3]:
+        s = shards.load(sid)
+        with torch.no_grad():
+            hs = model(s["input_ids"].long()[None], output_hidden_states=True).hidden_states
+        h = model.config.hidden_size
+        for j, i in enumerate(layers):
+            torch.testing.assert_close(s["aux"][:, j * h:(j + 1) * h], hs[i][0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(hs[i][0], inputs[i][0])
+        torch.testing.assert_close(s["final"], hs[-1][0], rtol=1e-4, atol=1e-4)
+    for hk in hooks:
+        hk.remove()
+
+
+def test_exported_drafter_loads_in_sglang_and_captures_the_trained_layers(run):
+    _, run_dir, _, _ = run
+    cfg = json.loads((run_dir / "drafter/config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["tie_word_embeddings"] is False
+    assert cfg["vocab_size"] == 49152 and cfg["draft_vocab_size"] == 512 and cfg["hidden_size"] == 576
+    assert cfg["rope_theta"] == 100000.0
+    ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert sglang_capture_layers("llama.py", ids, 30) == [2, 15, 27]  # what the drafter was trained on
+    assert check_drafter_tensor_names(load_file(str(run_dir / "drafter/model.safetensors"))) == []
+
+
+def test_training_logged_metrics_and_wandb_offline(run):
+    _, run_dir, _, _ = run
+    rows = [json.loads(x) for x in (run_dir / "train/metrics.jsonl").read_text().splitlines()]
+    assert rows and {"loss", "acc_0", "acc_1", "loss_0", "loss_1", "lr"} <= set(rows[-1])
+    assert list((run_dir / "train/wandb").glob("offline-run-*"))
+    assert (run_dir / "train/curves.png").stat().st_size > 0
+
+
+def test_report_contract(run):
+    _, run_dir, _, _ = run
+    r = json.loads((run_dir / "eval/report.json").read_text())
+    for key in ("acceptance_length", "per_position_acceptance", "outputs_match_baseline", "tokens_per_s_baseline",
+                "tokens_per_s_spec", "speedup", "num_prompts", "draft_steps", "temperature"):
+        assert key in r, key
+    assert r["outputs_match_baseline"] is True and r["num_prompts"] == 2 and r["draft_steps"] == 3
+    assert 1.0 <= r["acceptance_length"] <= 4.0 and len(r["per_position_acceptance"]) == 3
+    assert (run_dir / "eval/report.md").read_text().startswith("# EAGLE-3 drafter")
+    assert (run_dir / "eval/acceptance.png").stat().st_size > 0
+
+
+def test_rerun_resumes_without_duplicates(run):
+    _, run_dir, flags, _ = run
+    before = read_conversations(run_dir / "conversations")["id"]
+    log = run_cli("data_gen", *flags).stderr
+    assert "0 to generate" in log
+    assert sorted(read_conversations(run_dir / "conversations")["id"]) == sorted(before)
+    log = run_cli("extract", *flags).stderr
+    assert "0 to do" in log and len(HiddenShards(run_dir / "hidden")) == 6
+
+
+def test_eval_on_mt_bench_prompt_file(run, tmp_path):
+    _, run_dir, flags, _ = run
+    mt = ROOT.parent / "shared/data/mt_bench/question.jsonl"
+    if not mt.is_file():
+        pytest.skip(f"{mt} absent")
+    run_cli("eval", *flags, "--prompts", str(mt), "--out", str(tmp_path), "--max-prompts", "1",
+            "--max-new-tokens", "8")
+    r = json.loads((tmp_path / "report.json").read_text())
+    assert r["num_prompts"] == 1 and r["per_prompt"][0]["id"] == "81" and r["outputs_match_baseline"]

@@ -1,0 +1,39 @@
+"""Draft vocabulary: the most frequent target tokens at loss-masked (assistant) positions.
+
+d2t[i] = target_id(i) - i (SGLang builds hot ids as d2t + arange); t2d = bool mask over the target vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core.hidden_shards import HiddenShards
+
+
+def token_counts(shards: HiddenShards, vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for sid in shards.ids:
+        s = shards.load(sid, names=("input_ids", "loss_mask"))
+        ids = s["input_ids"][s["loss_mask"].bool()].long()
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """-> (draft_ids ascending [Vd], t2d bool [V], coverage of masked tokens). Ties and unseen fill
+    by lowest id, so the choice is deterministic."""
+    vocab_size = counts.numel()
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"train.draft_vocab_size = {draft_vocab_size}: must be in [1, {vocab_size}]")
+    # stable sort on -count keeps lower ids first among equal counts
+    order = torch.sort(-counts, stable=True).indices
+    draft_ids = torch.sort(order[:draft_vocab_size]).values
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    total = int(counts.sum())
+    coverage = float(counts[draft_ids].sum()) / total if total else 0.0
+    return draft_ids, t2d, coverage
+
+
+def d2t_offsets(draft_ids: torch.Tensor) -> torch.Tensor:
+    return draft_ids - torch.arange(draft_ids.numel())

@@ -1,0 +1,190 @@
+"""Train an EAGLE-3 drafter on hidden-state shards; one Accelerate loop for 1 CPU or N GPUs.
+
+    python -m train --config configs/smollm2-135m-instruct.yaml              # one process
+    accelerate launch --config_file scripts/accelerate/multi_gpu.yaml -m train --config ...
+    accelerate launch --config_file scripts/accelerate/deepspeed_zero2.yaml -m train --config ...
+
+Reads <run>/hidden, writes <run>/train (checkpoints, metrics.jsonl, W&B offline run, curves.png)
+and the SGLang-format drafter to <run>/drafter. A rerun resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from core.atomic_io import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
+from core.config import RunConfig, to_dict
+from core.drafter import DrafterConfig, Eagle3Drafter
+from core.hidden_shards import HiddenShards
+from core.manifest import read_manifest, write_manifest
+from core.target import load_target_embeddings, target_info
+from train.data import ShardDataset, collate
+from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
+from train.plots import plot_curves
+from train.ttt_loss import TTTObjective, teacher_targets
+
+log = logging.getLogger("train")
+
+
+def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, embed, lm_head) -> Eagle3Drafter:
+    from transformers import AutoConfig
+
+    tc = AutoConfig.from_pretrained(target_info(cfg).path)
+    rope = getattr(tc, "rope_parameters", None) or {}
+    c = DrafterConfig(
+        hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+        vocab_size=tc.vocab_size, draft_vocab_size=draft_ids.numel(), target_hidden_size=tc.hidden_size,
+        aux_layers=aux_layers, target_model_type=tc.model_type, rms_norm_eps=tc.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
+        max_position_embeddings=tc.max_position_embeddings)
+    d = Eagle3Drafter(c)
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(embed)
+        if cfg.train.init_lm_head_from_target:
+            d.lm_head.weight.copy_(lm_head[draft_ids])
+        d.d2t.copy_(d2t_offsets(draft_ids))
+        d.t2d.copy_(t2d)
+    return d
+
+
+def lr_lambda(total_steps: int, warmup: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def epoch_loader(ds, cfg: RunConfig, epoch: int, accelerator: Accelerator):
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+    dl = DataLoader(torch.utils.data.Subset(ds, order), batch_size=cfg.train.batch_size, collate_fn=collate)
+    return accelerator.prepare_data_loader(dl)
+
+
+def save_checkpoint(accelerator: Accelerator, ckpt_root: Path, step: int, epoch: int, batch: int) -> None:
+    path = ckpt_root / f"step-{step:07d}"
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        atomic_write_json(ckpt_root / "latest.json", {"path": path.name, "step": step, "epoch": epoch,
+                                                       "batch": batch})
+        for old in sorted(ckpt_root.glob("step-*"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def resume(accelerator: Accelerator, ckpt_root: Path, metrics_path: Path) -> tuple[int, int, int]:
+    """Load the latest complete checkpoint, if any -> (step, epoch, batches done in that epoch)."""
+    if not (ckpt_root / "latest.json").is_file():
+        return 0, 0, 0
+    latest = json.loads((ckpt_root / "latest.json").read_text())
+    accelerator.load_state(str(ckpt_root / latest["path"]))
+    step = latest["step"]
+    log.info("resumed from %s (step %d, epoch %d, batch %d)", latest["path"], step, latest["epoch"], latest["batch"])
+    if accelerator.is_main_process:  # drop rows logged after the checkpoint; they are redone
+        kept = [r for r in read_jsonl(metrics_path) if r["step"] <= step]
+        atomic_write_text(metrics_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+    return step, latest["epoch"], latest["batch"]
+
+
+def log_metrics(accelerator: Accelerator, metrics_path: Path, step: int, epoch: int, lr: float, loss, m) -> dict:
+    row = {"step": step, "epoch": epoch, "lr": lr, "loss": accelerator.reduce(loss.detach(), "mean").item()}
+    for k, (lk, ak) in enumerate(zip(m["loss_k"], m["acc_k"], strict=True)):
+        row[f"loss_{k}"] = accelerator.reduce(lk, "mean").item()
+        row[f"acc_{k}"] = accelerator.reduce(ak, "mean").item()
+    accelerator.log(row, step=step)
+    if accelerator.is_main_process:
+        append_jsonl(metrics_path, [row])
+    return row
+
+
+def main(cfg: RunConfig) -> Path:
+    tc = cfg.train
+    hidden_dir, train_dir, out = cfg.run_path / "hidden", cfg.run_path / "train", cfg.run_path / "drafter"
+    hm = read_manifest(hidden_dir, "extract")
+    if hm["compat"].get("target") != cfg.target.model:
+        raise ValueError(f"{hidden_dir}/manifest.json: target {hm['compat'].get('target')!r} != "
+                         f"{cfg.target.model!r}; re-run extract or fix target.model")
+    os.environ.setdefault("WANDB_MODE", tc.wandb_mode)
+    trackers = "wandb" if tc.wandb_mode != "disabled" else None
+    accelerator = Accelerator(gradient_accumulation_steps=tc.grad_accum, mixed_precision=tc.mixed_precision,
+                              log_with=trackers, project_dir=str(train_dir))
+    set_seed(cfg.seed)
+    train_dir.mkdir(parents=True, exist_ok=True)
+
+    shards = HiddenShards(hidden_dir)
+    embed, lm_head = load_target_embeddings(cfg)
+    draft_ids, t2d, coverage = build_draft_vocab(token_counts(shards, embed.shape[0]), tc.draft_vocab_size)
+    log.info("%d samples / %d tokens; draft vocab %d covers %.2f%% of assistant tokens",
+             len(shards), shards.num_tokens(), draft_ids.numel(), 100 * coverage)
+    drafter = build_drafter(cfg, hm["compat"]["aux_layers"], draft_ids, t2d, embed, lm_head)
+    head = lm_head.to(accelerator.device)
+    draft_ids_dev, t2d_dev = draft_ids.to(accelerator.device), t2d.to(accelerator.device)
+
+    ds = ShardDataset(shards, shards.ids, tc.max_len)
+    steps_per_epoch = math.ceil(len(ds) / (tc.batch_size * accelerator.num_processes * tc.grad_accum))
+    total_steps = steps_per_epoch * tc.epochs
+    objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, max(1, int(tc.warmup_ratio * total_steps))))
+    if accelerator.state.deepspeed_plugin is not None:  # "auto" needs a prepared loader; ours are per epoch
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.batch_size
+    objective, opt, sched = accelerator.prepare(objective, opt, sched)
+
+    ckpt_root, metrics_path = train_dir / "checkpoints", train_dir / "metrics.jsonl"
+    step, start_epoch, skip = resume(accelerator, ckpt_root, metrics_path)
+    if trackers:
+        accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg),
+                                  init_kwargs={"wandb": {"dir": str(train_dir), "name": cfg.name}})
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
+    for epoch in range(start_epoch, tc.epochs):
+        dl = epoch_loader(ds, cfg, epoch, accelerator)
+        if skip:
+            dl = accelerator.skip_first_batches(dl, skip)
+        for i, batch in enumerate(dl, start=skip):
+            with accelerator.accumulate(objective):
+                teacher = teacher_targets(batch["final"], batch["loss_mask"], head, draft_ids_dev, t2d_dev)
+                loss, m = objective(batch["aux"], batch["input_ids"], batch["loss_mask"], teacher)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(objective.parameters(), tc.grad_clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            if step % tc.log_every == 0 or step == total_steps:  # .item() (a sync) only here
+                row = log_metrics(accelerator, metrics_path, step, epoch, sched.get_last_lr()[0], loss, m)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", acc_0=f"{row['acc_0']:.3f}")
+            if tc.save_every and step % tc.save_every == 0:
+                save_checkpoint(accelerator, ckpt_root, step, epoch, i + 1)
+        skip = 0
+        if not tc.save_every:
+            save_checkpoint(accelerator, ckpt_root, step, epoch + 1, 0)
+    bar.close()
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(objective).drafter.save_pretrained(out)
+        plot_curves(read_jsonl(metrics_path), train_dir / "curves.png")
+        last = (read_jsonl(metrics_path) or [{}])[-1]
+        write_manifest(out, "train", cfg, {"target": cfg.target.model, "aux_layers": hm["compat"]["aux_layers"]},
+                       {"steps": step, "draft_vocab_coverage": coverage, "final_metrics": last},
+                       {"hidden": str(hidden_dir)})
+        log.info("drafter exported to %s (final %s)", out, {k: round(v, 4) for k, v in last.items()})
+    return out
