@@ -66,10 +66,12 @@ class TrainConfig:
     grad_clip: float = _f(0.5, "max grad norm")
     log_every: int = _f(10, "optimizer steps between log lines")
     save_every: int = _f(0, "optimizer steps between checkpoints (0: at each epoch end)")
+    loss_on_prompt: bool = _f(False, "also distill the target's predictions at prompt positions (more signal per sample)")
     init_lm_head_from_target: bool = _f(True, "start lm_head from the target's rows of the draft vocab")
     wandb_mode: str = _f("offline", "offline | online | disabled")
     wandb_project: str = _f("eagle3", "W&B project")
-    mixed_precision: str = _f("no", "no | bf16 (Accelerate)")
+    mixed_precision: str = _f("auto", "auto | no | bf16; auto = bf16 on GPUs and on CPUs with native bf16 "
+                                      "(AVX512-BF16/AMX), fp32 elsewhere (bf16 is ~200x slower there)")
 
 
 @dataclass

@@ -9,6 +9,11 @@ Vd draft vocab, nh/nkv heads, d head dim.
     h2       = h + mlp(post_attention_layernorm(h))      # pre-norm output: the next step's input
     logits   = lm_head(norm(h2))                         # [B,T,Vd]
 
+`aux_scale` is a fixed per-feature preconditioner for training only: target residual streams carry
+"massive activation" features (SmolLM2: RMS ~350 beside ~1), and Adam's uniform step size makes
+fc's columns for them explode. Training sees fc(aux / aux_scale); the export folds the scale into
+fc.weight, so the checkpoint has plain SGLang numerics.
+
 Attention is left to the caller (`qkv` / `finish`), because training (TTT diagonal mask,
 train/ttt_loss.py) and decoding (KV cache, `forward` below) attend differently.
 """
@@ -27,8 +32,8 @@ from torch import nn
 from core.atomic_io import atomic_write, atomic_write_json
 from core.aux_layers import aux_layers_from_sglang, sglang_layer_ids
 
-# What the export holds, each name checked against SGLang's loader in tests/test_export.py.
-EXPORT_EXCLUDE = ("embed_tokens.weight",)  # SGLang and eval take the embedding from the target
+# SGLang and eval take the embedding from the target; aux_scale is folded into fc.weight.
+EXPORT_EXCLUDE = ("embed_tokens.weight", "aux_scale")
 
 
 @dataclass
@@ -176,13 +181,14 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.register_buffer("aux_scale", torch.ones(3 * c.target_hidden_size))
 
     def qkv(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """hidden [B,T,3Ht] (target aux: step 0) or [B,T,H] (previous step's h2).
         Returns q [B,nh,T,d], k/v [B,nkv,T,d] (RoPE applied) and the residual [B,T,H]."""
         c, layer = self.config, self.midlayer
         if hidden.shape[-1] == 3 * c.target_hidden_size and hidden.shape[-1] != c.hidden_size:
-            hidden = self.fc(hidden)
+            hidden = self.fc(hidden / self.aux_scale)
         x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], -1)
         b, t, _ = x.shape
         q = layer.self_attn.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
@@ -218,6 +224,7 @@ class Eagle3Drafter(nn.Module):
     # ---- SGLang-format checkpoint -------------------------------------------------------------
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         sd = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items() if k not in EXPORT_EXCLUDE}
+        sd["fc.weight"] = (sd["fc.weight"] / self.aux_scale.cpu()).contiguous()  # [H,3Ht] / [3Ht]
         return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in sd.items()}
 
     def save_pretrained(self, out_dir: Path) -> None:
@@ -241,6 +248,7 @@ class Eagle3Drafter(nn.Module):
         sd = {k.removeprefix("model.").replace("layers.0.", "midlayer."): v
               for k, v in load_file(str(in_dir / "model.safetensors")).items()}
         sd["embed_tokens.weight"] = embed_weight
+        sd["aux_scale"] = torch.ones(3 * c.target_hidden_size)
         if "d2t" not in sd:  # full-vocab head: identity mapping
             sd["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.int64)
             sd["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)

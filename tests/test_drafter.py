@@ -24,6 +24,7 @@ def make_drafter(seed=0, vd=VD) -> Eagle3Drafter:
     d.d2t.copy_(d2t_offsets(draft_ids))
     d.t2d.copy_(t2d)
     torch.nn.init.normal_(d.embed_tokens.weight)
+    d.aux_scale.copy_(torch.rand(3 * H) * 10 + 0.1)  # the export must fold this into fc.weight
     return d
 
 

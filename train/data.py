@@ -20,12 +20,27 @@ class ShardDataset(Dataset):
         return {k: v[: self.max_len] for k, v in s.items()}
 
 
+def aux_rms(shards: HiddenShards, max_samples: int = 128) -> torch.Tensor:
+    """Per-feature RMS of aux [3H] over assistant positions (where massive-activation sink tokens,
+    e.g. the first token, are rare) of the first max_samples samples."""
+    total, count = None, 0
+    for sid in shards.ids[:max_samples]:
+        s = shards.load(sid, names=("aux", "loss_mask"))
+        a = s["aux"][s["loss_mask"].bool()].float()
+        total = a.pow(2).sum(0) if total is None else total + a.pow(2).sum(0)
+        count += a.shape[0]
+    if not count:
+        raise ValueError(f"{shards.dir}: no assistant tokens in the first {max_samples} samples")
+    return (total / count).sqrt().clamp(min=1e-3)
+
+
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     t = max(s["input_ids"].numel() for s in samples)
     b = len(samples)
     out = {
         "input_ids": torch.zeros(b, t, dtype=torch.long),
         "loss_mask": torch.zeros(b, t, dtype=torch.uint8),
+        "valid": torch.zeros(b, t, dtype=torch.uint8),  # 1 on real tokens, 0 on padding
         "aux": torch.zeros(b, t, samples[0]["aux"].shape[-1]),
         "final": torch.zeros(b, t, samples[0]["final"].shape[-1]),
     }
@@ -33,6 +48,7 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         n = s["input_ids"].numel()
         out["input_ids"][i, :n] = s["input_ids"].long()
         out["loss_mask"][i, :n] = s["loss_mask"]
+        out["valid"][i, :n] = 1
         out["aux"][i, :n] = s["aux"].float()
         out["final"][i, :n] = s["final"].float()
     return out

@@ -29,7 +29,7 @@ from core.drafter import DrafterConfig, Eagle3Drafter
 from core.hidden_shards import HiddenShards
 from core.manifest import read_manifest, write_manifest
 from core.target import load_target_embeddings, target_info
-from train.data import ShardDataset, collate
+from train.data import ShardDataset, aux_rms, collate
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
 from train.plots import plot_curves
 from train.ttt_loss import TTTObjective, teacher_targets
@@ -37,7 +37,8 @@ from train.ttt_loss import TTTObjective, teacher_targets
 log = logging.getLogger("train")
 
 
-def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, embed, lm_head) -> Eagle3Drafter:
+def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, embed, lm_head,
+                  aux_scale=None) -> Eagle3Drafter:
     from transformers import AutoConfig
 
     tc = AutoConfig.from_pretrained(target_info(cfg).path)
@@ -57,7 +58,21 @@ def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, embed, 
             d.lm_head.weight.copy_(lm_head[draft_ids])
         d.d2t.copy_(d2t_offsets(draft_ids))
         d.t2d.copy_(t2d)
+        if aux_scale is not None:
+            d.aux_scale.copy_(aux_scale)
     return d
+
+
+def resolve_precision(name: str) -> str:
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "bf16"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "no"
+    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "no"
 
 
 def lr_lambda(total_steps: int, warmup: int):
@@ -120,7 +135,8 @@ def main(cfg: RunConfig) -> Path:
                          f"{cfg.target.model!r}; re-run extract or fix target.model")
     os.environ.setdefault("WANDB_MODE", tc.wandb_mode)
     trackers = "wandb" if tc.wandb_mode != "disabled" else None
-    accelerator = Accelerator(gradient_accumulation_steps=tc.grad_accum, mixed_precision=tc.mixed_precision,
+    precision = resolve_precision(tc.mixed_precision)
+    accelerator = Accelerator(gradient_accumulation_steps=tc.grad_accum, mixed_precision=precision,
                               log_with=trackers, project_dir=str(train_dir))
     set_seed(cfg.seed)
     train_dir.mkdir(parents=True, exist_ok=True)
@@ -128,9 +144,9 @@ def main(cfg: RunConfig) -> Path:
     shards = HiddenShards(hidden_dir)
     embed, lm_head = load_target_embeddings(cfg)
     draft_ids, t2d, coverage = build_draft_vocab(token_counts(shards, embed.shape[0]), tc.draft_vocab_size)
-    log.info("%d samples / %d tokens; draft vocab %d covers %.2f%% of assistant tokens",
-             len(shards), shards.num_tokens(), draft_ids.numel(), 100 * coverage)
-    drafter = build_drafter(cfg, hm["compat"]["aux_layers"], draft_ids, t2d, embed, lm_head)
+    log.info("%d samples / %d tokens; draft vocab %d covers %.2f%% of assistant tokens; precision %s on %s",
+             len(shards), shards.num_tokens(), draft_ids.numel(), 100 * coverage, precision, accelerator.device)
+    drafter = build_drafter(cfg, hm["compat"]["aux_layers"], draft_ids, t2d, embed, lm_head, aux_rms(shards))
     head = lm_head.to(accelerator.device)
     draft_ids_dev, t2d_dev = draft_ids.to(accelerator.device), t2d.to(accelerator.device)
 
@@ -157,8 +173,9 @@ def main(cfg: RunConfig) -> Path:
             dl = accelerator.skip_first_batches(dl, skip)
         for i, batch in enumerate(dl, start=skip):
             with accelerator.accumulate(objective):
-                teacher = teacher_targets(batch["final"], batch["loss_mask"], head, draft_ids_dev, t2d_dev)
-                loss, m = objective(batch["aux"], batch["input_ids"], batch["loss_mask"], teacher)
+                mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
+                teacher = teacher_targets(batch["final"], mask, head, draft_ids_dev, t2d_dev)
+                loss, m = objective(batch["aux"], batch["input_ids"], mask, teacher)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(objective.parameters(), tc.grad_clip)

@@ -1,0 +1,135 @@
+"""Per-stage speed as a ratio against a limit (the machine's measured matmul peak = FLOP bound).
+
+    python scripts/benchmark.py [--stage generate|extract|train|all] [--config configs/<name>.yaml]
+                                [--device cpu|cuda] [--dtype float32|bfloat16]
+
+generate: batched cached decode tokens/s vs the FLOP bound (2 x params per token), and vs
+          `model.generate` on the same batch (why the engine is a plain cached loop)
+extract:  prefill-with-hidden-states tokens/s vs the FLOP bound
+train:    one TTT training step (fwd+bwd) tokens/s and model FLOP utilisation
+Random inputs of the real shapes; warm-up excluded; median of repeats. Prints one line per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from core.config import load_config  # noqa: E402
+from core.decode import generate  # noqa: E402
+from core.target import load_target  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats=3) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def matmul_peak(device, dtype) -> float:
+    n = 4096 if device.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / timed(lambda: a @ b, device, repeats=5)
+
+
+def bench_generate(model, peak, batch=16, prompt_len=64, new=32):
+    device = model.device
+    params = sum(p.numel() for p in model.parameters())
+    prompts = torch.randint(100, 20000, (batch, prompt_len)).tolist()
+    t_prefill = timed(lambda: model(torch.tensor(prompts, device=device)), device)
+    t_ours = timed(lambda: generate(model, prompts, new, stop_ids=[]), device) - t_prefill
+    ours = batch * new / t_ours
+    bound = peak / (2 * params)
+    print(f"generate: cached loop {ours:.0f} tok/s at batch {batch} = {ours / bound:.1%} of FLOP bound "
+          f"{bound:.0f} tok/s ({2 * params / 1e9:.2f} GFLOP/token)")
+    x = torch.tensor(prompts, device=device)
+    t_hf = timed(lambda: model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                                        min_new_tokens=new, do_sample=False), device) - t_prefill
+    print(f"generate: model.generate {batch * new / t_hf:.0f} tok/s -> cached loop / generate = {t_hf / t_ours:.2f}x")
+
+
+def bench_extract(model, peak, batch=4, seq=512):
+    device = model.device
+    params = sum(p.numel() for p in model.parameters() if p.dim() == 2) - model.lm_head.weight.numel()
+    x = torch.randint(100, 20000, (batch, seq), device=device)
+    with torch.inference_mode():
+        t = timed(lambda: model.model(input_ids=x, output_hidden_states=True), device)
+    tps = batch * seq / t
+    bound = peak / (2 * params)
+    print(f"extract: prefill+hidden {tps:.0f} tok/s at {batch}x{seq} = {tps / bound:.1%} of FLOP bound "
+          f"{bound:.0f} tok/s (no lm_head)")
+
+
+def bench_train(cfg, model, peak, batch=4, seq=512, steps=5, vd=8192):
+    from train.loop import build_drafter
+    from train.ttt_loss import TTTObjective, teacher_targets
+
+    device, h = model.device, model.config.hidden_size
+    v = model.config.vocab_size
+    embed = model.model.embed_tokens.weight.detach().float().cpu()
+    head = model.lm_head.weight.detach().float()
+    draft_ids = torch.arange(vd)
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[:vd] = True
+    n = model.config.num_hidden_layers
+    d = build_drafter(cfg, [2, n // 2, n - 3], draft_ids, t2d, embed, head.cpu()).to(device)
+    obj = TTTObjective(d, steps, 0.8)
+    aux = torch.randn(batch, seq, 3 * h, device=device)
+    final = torch.randn(batch, seq, h, device=device)
+    ids = torch.randint(0, vd, (batch, seq), device=device)
+    mask = torch.ones(batch, seq, dtype=torch.uint8, device=device)
+    dd, tt = draft_ids.to(device), t2d.to(device)
+
+    def step():
+        loss, _ = obj(aux, ids, mask, teacher_targets(final, mask, head, dd, tt))
+        loss.backward()
+
+    t = timed(step, device)
+    mm = sum(p.numel() for n_, p in d.named_parameters() if p.dim() == 2 and "embed" not in n_)
+    mm_fc = d.fc.weight.numel()
+    attn = 2 * seq * d.config.num_attention_heads * d.config.head_dim  # QK^T + PV per token (causal ~half, counted full)
+    flops_tok = 3 * (2 * (mm - mm_fc) * steps + 2 * mm_fc + attn * steps) + 2 * h * v  # fwd+bwd + teacher
+    tokens = batch * seq
+    print(f"train: TTT K={steps} step {t * 1e3:.0f} ms, {tokens / t:.0f} tok/s, "
+          f"MFU {flops_tok * tokens / t / peak:.1%} of measured matmul peak ({flops_tok / 1e9:.2f} GFLOP/token)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", default="all", choices=["generate", "extract", "train", "all"])
+    p.add_argument("--config", default="configs/smollm2-135m-instruct.yaml")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32")
+    args = p.parse_args()
+    cfg = load_config(args.config, [f"target.device={args.device}", f"target.dtype={args.dtype}"])
+    model, _ = load_target(cfg)
+    peak = matmul_peak(model.device, model.dtype)
+    print(f"device {model.device} dtype {model.dtype} threads {torch.get_num_threads()}: "
+          f"measured matmul peak {peak / 1e9:.1f} GFLOP/s")
+    if args.stage in ("generate", "all"):
+        bench_generate(model, peak)
+    if args.stage in ("extract", "all"):
+        bench_extract(model, peak)
+    if args.stage in ("train", "all"):
+        bench_train(cfg, model, peak)
+
+
+if __name__ == "__main__":
+    main()
