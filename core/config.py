@@ -67,7 +67,8 @@ class TrainConfig:
     log_every: int = _f(10, "optimizer steps between log lines")
     save_every: int = _f(0, "optimizer steps between checkpoints (0: at each epoch end)")
     loss_on_prompt: bool = _f(False, "also distill the target's predictions at prompt positions (more signal per sample)")
-    init_lm_head_from_target: bool = _f(True, "start lm_head from the target's rows of the draft vocab")
+    init_lm_head_from_target: bool = _f(True, "start lm_head (and norm) from the target's rows of the draft vocab")
+    freeze_lm_head: bool = _f(False, "keep that lm_head fixed (fewer trainable parameters for small data)")
     wandb_mode: str = _f("offline", "offline | online | disabled")
     wandb_project: str = _f("eagle3", "W&B project")
     mixed_precision: str = _f("auto", "auto | no | bf16; auto = bf16 on GPUs and on CPUs with native bf16 "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from core.drafter import DraftCache, Eagle3Drafter
 
@@ -33,7 +33,9 @@ def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
              temperature: float = 0.0, generator: torch.Generator | None = None) -> list[Generation]:
-    """Batched generation with left padding and a KV cache; each row stops at its first stop id."""
+    """Batched generation with left padding; each row stops at its first stop id. The KV cache is
+    static (allocated once): a growing DynamicCache re-copies the whole cache every step, which
+    made CPU decode at batch 128 ~1.6x slower by the end of a 128-token answer."""
     device = model.device
     b, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(b, width, dtype=torch.long, device=device)
@@ -42,14 +44,16 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: lis
         ids[i, width - len(p):] = torch.tensor(p, device=device)
         mask[i, width - len(p):] = 1
     stop = torch.tensor(stop_ids, device=device)
-    cache = DynamicCache()
+    cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
     out = [[] for _ in range(b)]
     done = torch.zeros(b, dtype=torch.bool, device=device)
-    step_ids = ids
+    step_ids, filled = ids, 0
     for _ in range(max_new_tokens):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+        cache_pos = torch.arange(filled, filled + step_ids.shape[1], device=device)
+        filled += step_ids.shape[1]
         logits = model(input_ids=step_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                       use_cache=True).logits[:, -1]
+                       cache_position=cache_pos, use_cache=True, logits_to_keep=1).logits[:, -1]
         nxt = _sample(logits, temperature, generator)
         for i in torch.nonzero(~done).flatten().tolist():
             out[i].append(int(nxt[i]))

@@ -168,8 +168,16 @@ def end_of_turn_ids(tokenizer, model_config=None) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def load_target_embeddings(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embed_tokens [V,H], lm_head [V,H]) read straight from the target's safetensors (no full load)."""
+@dataclass(frozen=True)
+class TargetHead:
+    """The target tensors a drafter reuses: embedding (frozen input), lm_head (teacher), final norm."""
+    embed: torch.Tensor  # [V,H]
+    lm_head: torch.Tensor  # [V,H]; the embedding itself when tied
+    final_norm: torch.Tensor | None  # [H]
+
+
+def load_target_embeddings(cfg: RunConfig) -> TargetHead:
+    """Read the embedding, lm_head and final norm straight from the target's safetensors (no full load)."""
     import json
 
     from safetensors import safe_open
@@ -178,12 +186,13 @@ def load_target_embeddings(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     index = path / "model.safetensors.index.json"
     files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
              else ["model.safetensors"])
+    wanted = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head", "model.norm.weight": "norm"}
     found: dict[str, torch.Tensor] = {}
     for name in files:
         with safe_open(str(path / name), framework="pt") as f:
             for key in f.keys():
-                if key.endswith("embed_tokens.weight") or key == "lm_head.weight":
-                    found["lm_head" if key == "lm_head.weight" else "embed"] = f.get_tensor(key).float()
+                if key in wanted:
+                    found[wanted[key]] = f.get_tensor(key).float()
     if "embed" not in found:
-        raise ValueError(f"{path}: no embed_tokens.weight in its safetensors")
-    return found["embed"], found.get("lm_head", found["embed"])  # tied embeddings share the matrix
+        raise ValueError(f"{path}: no model.embed_tokens.weight in its safetensors")
+    return TargetHead(found["embed"], found.get("lm_head", found["embed"]), found.get("norm"))

@@ -77,7 +77,7 @@ def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, o
     out_dir = Path(out) if out else cfg.run_path / "eval"
     model, tok = load_target(cfg)
     info = target_info(cfg)
-    drafter = Eagle3Drafter.from_pretrained(draft_dir, load_target_embeddings(cfg)[0], info.model_type,
+    drafter = Eagle3Drafter.from_pretrained(draft_dir, load_target_embeddings(cfg).embed, info.model_type,
                                             info.num_layers).to(model.device, model.dtype).eval()
     stop = end_of_turn_ids(tok, model.generation_config)
     items = eval_prompts(cfg, tok, prompts)

@@ -83,13 +83,15 @@ def bench_train(cfg, model, peak, batch=4, seq=512, steps=5, vd=8192):
 
     device, h = model.device, model.config.hidden_size
     v = model.config.vocab_size
-    embed = model.model.embed_tokens.weight.detach().float().cpu()
-    head = model.lm_head.weight.detach().float()
+    from core.target import load_target_embeddings
+
+    target = load_target_embeddings(cfg)
+    head = target.lm_head.to(device)
     draft_ids = torch.arange(vd)
     t2d = torch.zeros(v, dtype=torch.bool)
     t2d[:vd] = True
     n = model.config.num_hidden_layers
-    d = build_drafter(cfg, [2, n // 2, n - 3], draft_ids, t2d, embed, head.cpu()).to(device)
+    d = build_drafter(cfg, [2, n // 2, n - 3], draft_ids, t2d, target).to(device)
     obj = TTTObjective(d, steps, 0.8)
     aux = torch.randn(batch, seq, 3 * h, device=device)
     final = torch.randn(batch, seq, h, device=device)

@@ -28,7 +28,7 @@ from core.config import RunConfig, to_dict
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.hidden_shards import HiddenShards
 from core.manifest import read_manifest, write_manifest
-from core.target import load_target_embeddings, target_info
+from core.target import TargetHead, load_target_embeddings, target_info
 from train.data import ShardDataset, aux_rms, collate
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
 from train.plots import plot_curves
@@ -37,7 +37,7 @@ from train.ttt_loss import TTTObjective, teacher_targets
 log = logging.getLogger("train")
 
 
-def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, embed, lm_head,
+def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, target: TargetHead,
                   aux_scale=None) -> Eagle3Drafter:
     from transformers import AutoConfig
 
@@ -53,9 +53,12 @@ def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, embed, 
         max_position_embeddings=tc.max_position_embeddings)
     d = Eagle3Drafter(c)
     with torch.no_grad():
-        d.embed_tokens.weight.copy_(embed)
-        if cfg.train.init_lm_head_from_target:
-            d.lm_head.weight.copy_(lm_head[draft_ids])
+        d.embed_tokens.weight.copy_(target.embed)
+        if cfg.train.init_lm_head_from_target:  # start from the target's own output layer
+            d.lm_head.weight.copy_(target.lm_head[draft_ids])
+            if target.final_norm is not None:
+                d.norm.weight.copy_(target.final_norm)
+        d.lm_head.requires_grad_(not cfg.train.freeze_lm_head)
         d.d2t.copy_(d2t_offsets(draft_ids))
         d.t2d.copy_(t2d)
         if aux_scale is not None:
@@ -142,12 +145,12 @@ def main(cfg: RunConfig) -> Path:
     train_dir.mkdir(parents=True, exist_ok=True)
 
     shards = HiddenShards(hidden_dir)
-    embed, lm_head = load_target_embeddings(cfg)
-    draft_ids, t2d, coverage = build_draft_vocab(token_counts(shards, embed.shape[0]), tc.draft_vocab_size)
+    target = load_target_embeddings(cfg)
+    draft_ids, t2d, coverage = build_draft_vocab(token_counts(shards, target.embed.shape[0]), tc.draft_vocab_size)
     log.info("%d samples / %d tokens; draft vocab %d covers %.2f%% of assistant tokens; precision %s on %s",
              len(shards), shards.num_tokens(), draft_ids.numel(), 100 * coverage, precision, accelerator.device)
-    drafter = build_drafter(cfg, hm["compat"]["aux_layers"], draft_ids, t2d, embed, lm_head, aux_rms(shards))
-    head = lm_head.to(accelerator.device)
+    drafter = build_drafter(cfg, hm["compat"]["aux_layers"], draft_ids, t2d, target, aux_rms(shards))
+    head = target.lm_head.to(accelerator.device)
     draft_ids_dev, t2d_dev = draft_ids.to(accelerator.device), t2d.to(accelerator.device)
 
     ds = ShardDataset(shards, shards.ids, tc.max_len)
