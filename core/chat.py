@@ -2,8 +2,34 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
+from collections.abc import Iterable
+
+from core.prompts import Prompt
+
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of `messages` rendered with the target's template, ending in the assistant header."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def fitting_prompts(prompts: Iterable[Prompt], tokenizer, max_tokens: int, limit: int,
+                    skipped: Counter) -> list[tuple[Prompt, list[int]]]:
+    """The first `limit` prompts whose templated first user turn fits max_tokens, each token sequence
+    once; what is passed over is counted in `skipped` by reason."""
+    chosen, seen = [], set()
+    for p in prompts:
+        ids = prompt_ids(tokenizer, p.first_user_turn)
+        key = hashlib.sha256(str(ids).encode()).hexdigest()
+        if len(ids) > max_tokens:
+            skipped["prompt_too_long"] += 1
+        elif key in seen:
+            skipped["duplicate_prompt"] += 1
+        else:
+            seen.add(key)
+            chosen.append((p, ids))
+            if len(chosen) == limit:
+                break
+    return chosen

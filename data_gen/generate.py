@@ -8,7 +8,6 @@ Rerunning resumes: ids already in a committed part are skipped, nothing is writt
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import Counter
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from core.atomic_io import atomic_write_json
-from core.chat import prompt_ids
+from core.chat import fitting_prompts
 from core.config import RunConfig
 from core.conversations import done_ids, template_hash, write_part
 from core.decode import generate
@@ -30,21 +29,9 @@ log = logging.getLogger("data_gen")
 
 def select_prompts(cfg: RunConfig, tokenizer) -> tuple[list[tuple[Prompt, list[int]]], Counter]:
     """The first num_samples train prompts that fit max_prompt_tokens, deduplicated by token ids."""
-    dg, skipped, seen = cfg.data_gen, Counter(), set()
-    chosen = []
-    for p in load_prompts(dg.prompts, "train", dg.heldout_percent):
-        ids = prompt_ids(tokenizer, p.first_user_turn)
-        key = hashlib.sha256(str(ids).encode()).hexdigest()
-        if len(ids) > dg.max_prompt_tokens:
-            skipped["prompt_too_long"] += 1
-        elif key in seen:
-            skipped["duplicate_prompt"] += 1
-        else:
-            seen.add(key)
-            chosen.append((p, ids))
-            if len(chosen) == dg.num_samples:
-                break
-    return chosen, skipped
+    dg, skipped = cfg.data_gen, Counter()
+    prompts = load_prompts(dg.prompts, "train", dg.heldout_percent)
+    return fitting_prompts(prompts, tokenizer, dg.max_prompt_tokens, dg.num_samples, skipped), skipped
 
 
 def to_row(p: Prompt, ids: list[int], gen, tokenizer, model_id: str, thash: str) -> dict:
@@ -63,7 +50,7 @@ def main(cfg: RunConfig) -> Path:
     model, tok = load_target(cfg)
     chosen, skipped = select_prompts(cfg, tok)
     done = done_ids(out)
-    todo = [(p, ids) for p, ids in chosen if p.id not in done]
+    todo = sorted(((p, ids) for p, ids in chosen if p.id not in done), key=lambda x: len(x[1]))  # less padding
     log.info("%d prompts selected (%s skipped), %d already done, %d to generate",
              len(chosen), dict(skipped), len(chosen) - len(todo), len(todo))
     stop, thash = end_of_turn_ids(tok, model.generation_config), template_hash(tok.chat_template)
@@ -71,7 +58,7 @@ def main(cfg: RunConfig) -> Path:
     finish = Counter()
     bar = tqdm(total=len(todo), desc="generate", unit="sample")
     for start in range(0, len(todo), dg.part_samples):
-        part = sorted(todo[start:start + dg.part_samples], key=lambda x: len(x[1]))  # less padding
+        part = todo[start:start + dg.part_samples]
         rows = []
         for b in range(0, len(part), dg.batch_size):
             batch = part[b:b + dg.batch_size]

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from core.chat import prompt_ids
+from core.chat import fitting_prompts
 from core.config import RunConfig
 from core.decode import generate, speculative_generate
 from core.drafter import Eagle3Drafter
@@ -43,13 +44,8 @@ def eval_prompts(cfg: RunConfig, tokenizer, prompt_file: str | None) -> list[tup
         prompts = load_prompts(cfg.data_gen.prompts, "heldout", cfg.data_gen.heldout_percent)
     else:
         prompts = load_prompt_file(Path(cfg.eval.prompts))
-    out = []
-    for p in prompts:
-        ids = prompt_ids(tokenizer, p.first_user_turn)
-        if len(ids) <= cfg.data_gen.max_prompt_tokens:
-            out.append((p.id, ids))
-        if len(out) == cfg.eval.max_prompts:
-            break
+    out = [(p.id, ids) for p, ids in fitting_prompts(prompts, tokenizer, cfg.data_gen.max_prompt_tokens,
+                                                     cfg.eval.max_prompts, Counter())]
     if not out:
         raise ValueError(f"no eval prompts of <= {cfg.data_gen.max_prompt_tokens} tokens in "
                          f"{prompt_file or cfg.eval.prompts}")
