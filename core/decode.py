@@ -34,8 +34,8 @@ def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
 def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
              temperature: float = 0.0, generator: torch.Generator | None = None) -> list[Generation]:
     """Batched generation with left padding; each row stops at its first stop id. The KV cache is
-    static (allocated once): a growing DynamicCache re-copies the whole cache every step, which
-    made CPU decode at batch 128 ~1.6x slower by the end of a 128-token answer."""
+    static (allocated once) because a growing DynamicCache re-copies the whole cache every step
+    (measured on CPU at batch 128: 0.36 vs 0.46 s/step; ~6% of a whole demo generation)."""
     device = model.device
     b, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(b, width, dtype=torch.long, device=device)

@@ -201,8 +201,9 @@ def main(cfg: RunConfig) -> Path:
     accelerator.end_training()
     if accelerator.is_main_process:
         accelerator.unwrap_model(objective).drafter.save_pretrained(out)
-        plot_curves(read_jsonl(metrics_path), train_dir / "curves.png")
-        last = (read_jsonl(metrics_path) or [{}])[-1]
+        rows = read_jsonl(metrics_path)
+        plot_curves(rows, train_dir / "curves.png")
+        last = (rows or [{}])[-1]
         write_manifest(out, "train", cfg, {"target": cfg.target.model, "aux_layers": hm["compat"]["aux_layers"]},
                        {"steps": step, "draft_vocab_coverage": coverage, "final_metrics": last},
                        {"hidden": str(hidden_dir)})
