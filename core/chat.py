@@ -9,20 +9,24 @@ from collections.abc import Iterable
 from core.prompts import Prompt
 
 
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     """Token ids of `messages` rendered with the target's template, ending in the assistant header."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def fitting_prompts(prompts: Iterable[Prompt], tokenizer, max_tokens: int, limit: int,
-                    skipped: Counter) -> list[tuple[Prompt, list[int]]]:
-    """The first `limit` prompts whose templated first user turn fits max_tokens, each token sequence
-    once; what is passed over is counted in `skipped` by reason."""
+                    skipped: Counter, max_turns: int = 1) -> list[tuple[Prompt, list[int]]]:
+    """The first `limit` prompts whose templated first user turn fits max_tokens, each distinct
+    conversation once (first turn's token ids + the later user turns replayed, up to max_turns; 0 =
+    all); what is passed over is counted in `skipped` by reason."""
     chosen, seen = [], set()
     for p in prompts:
         ids = prompt_ids(tokenizer, p.first_user_turn)
-        key = hashlib.sha256(str(ids).encode()).hexdigest()
+        later = [m["content"] for m in p.messages[len(p.first_user_turn):] if m["role"] == "user"]
+        later = later[:max_turns - 1] if max_turns else later
+        key = hashlib.sha256(repr((ids, later)).encode()).hexdigest()
         if len(ids) > max_tokens:
             skipped["prompt_too_long"] += 1
         elif key in seen:

@@ -31,15 +31,37 @@ class TargetConfig:
 
 @dataclass
 class DataGenConfig:
-    backend: str = _f("hf", "hf (in-process target)")
+    backend: str = _f("hf", "hf (in-process target) | openai (any OpenAI-compatible server: SGLang, vLLM, "
+                            "llama.cpp, OpenRouter)")
     prompts: str = _f("sharegpt", "sharegpt (embedded ShareGPT V3) or a .json/.jsonl file of prompts")
-    num_samples: int = _f(256, "training prompts to answer (taken from the train split)")
+    on_bad_record: str = _f("strict", "strict (first bad record in a prompt file is an error naming file:line) "
+                                      "| skip (skipped and counted by reason)")
+    num_samples: int = _f(256, "conversations to regenerate (taken from the train split)")
     heldout_percent: float = _f(2.0, "percent of prompt ids held out for eval (split by id hash)")
-    max_prompt_tokens: int = _f(256, "prompts longer than this (templated) are skipped, with a count")
-    max_new_tokens: int = _f(128, "answer length cap; capped answers are kept and flagged")
+    max_turns: int = _f(1, "user turns regenerated per conversation: 1 = first turn, 0 = all")
+    n: int = _f(1, "answers per conversation (independent regenerations, ids <id>~<j>)")
+    reasoning: str = _f("drop", "reasoning/<think> text: drop | field (stored, not trained on) | "
+                                "render (trained on, with the template's thinking markup)")
+    end_of_turn: list[str] = _f([], "strings that end an assistant turn (default: the tokenizer's eos tokens)")
+    chat_template_kwargs: dict = _f({}, "extra chat-template variables, e.g. {enable_thinking: false}")
+    max_prompt_tokens: int = _f(256, "conversations whose templated first turn is longer are skipped, with a count")
+    max_context_tokens: int = _f(4096, "a later turn whose templated prompt is longer ends the conversation there")
+    max_new_tokens: int = _f(128, "answer length cap; capped answers are kept and flagged finish_reason=length")
+    drop_truncated: bool = _f(False, "leave length-capped conversations out of the data")
     temperature: float = _f(0.0, "0 = greedy")
-    batch_size: int = _f(16, "prompts generated together")
+    top_p: float = _f(1.0, "nucleus sampling (openai backend)")
+    stop: list[str] = _f([], "extra stop strings (openai backend)")
+    request_seed: int | None = _f(None, "seed sent with every request (openai backend; +j for answer j)")
+    batch_size: int = _f(16, "prompts generated together (hf backend)")
     part_samples: int = _f(64, "samples per committed parquet part (resume granularity)")
+    base_url: str = _f("", "server root incl. /v1, e.g. http://127.0.0.1:30000/v1 (openai backend)")
+    model_name: str = _f("", "model name sent to the server (default: target.model)")
+    api_key_env: str = _f("OPENAI_API_KEY", "env var holding the API key (never logged); empty = no key")
+    concurrency: int = _f(16, "requests in flight (openai backend)")
+    request_timeout: float = _f(600.0, "seconds per request before it is retried")
+    max_retries: int = _f(8, "retries per request (429/5xx/timeouts/resets/malformed bodies)")
+    backoff_base: float = _f(1.0, "first retry waits up to this many seconds, doubling each time")
+    backoff_max: float = _f(60.0, "cap of one backoff wait (a longer Retry-After is still honoured)")
 
 
 @dataclass

@@ -1,8 +1,11 @@
 """Conversations (data_gen -> extract): parquet parts written with HF datasets, one row per sample.
 
-Row: id, messages [{role, content}], input_ids int32[], loss_mask uint8[] (1 exactly on tokens the
-target generated, end-of-turn included), finish_reason ("stop" | "length"), template_hash, model_id.
-Parts are append-only and committed atomically, so the set of ids already written is the resume point.
+Row: id (unique sample id), conversation_id (the regenerated conversation; a template that rewrites
+earlier turns splits one conversation into several samples), messages [{role, content,
+reasoning_content}], input_ids int32[], loss_mask uint8[] (1 exactly on tokens the target generated,
+end-of-turn included), finish_reason ("length" if any answer hit max_tokens, else "stop"), turns
+(assistant turns), template_hash, model_id. Parts are append-only and committed atomically, so the
+set of conversation ids already written is the resume point.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from core.atomic_io import atomic_write
 
 FEATURES = datasets.Features({
     "id": datasets.Value("string"),
-    "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+    "conversation_id": datasets.Value("string"),
+    "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string"),
+                               "reasoning_content": datasets.Value("string")}),
     "input_ids": datasets.List(datasets.Value("int32")),
     "loss_mask": datasets.List(datasets.Value("uint8")),
     "finish_reason": datasets.Value("string"),
+    "turns": datasets.Value("int32"),
     "template_hash": datasets.Value("string"),
     "model_id": datasets.Value("string"),
 })
@@ -51,4 +57,6 @@ def read_conversations(conv_dir: Path) -> datasets.Dataset:
 
 
 def done_ids(conv_dir: Path) -> set[str]:
-    return {i for f in part_files(conv_dir) for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()}
+    """Conversation ids in committed parts (what a rerun skips)."""
+    return {i for f in part_files(conv_dir)
+            for i in pq.read_table(f, columns=["conversation_id"]).column("conversation_id").to_pylist()}

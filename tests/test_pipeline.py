@@ -36,14 +36,15 @@ def test_loss_mask_is_exactly_the_generated_answer(run):
     assert len(ds) == 6 and len(set(ds["id"])) == 6
     for row in ds:
         ids, mask = row["input_ids"], row["loss_mask"]
-        first = mask.index(1)
-        assert all(mask[first:]) and not any(mask[:first])  # one contiguous span at the end
-        span = tok.decode(ids[first:])
+        first, last = mask.index(1), len(mask) - mask[::-1].index(1)
+        assert all(mask[first:last]) and not any(mask[:first]) and not any(mask[last:])  # one span
+        span = tok.decode(ids[first:last])
         answer = row["messages"][-1]["content"]
-        expected = answer + "<|im_end|>" if row["finish_reason"] == "stop" else answer
-        assert span == expected
+        stopped = row["finish_reason"] == "stop"
+        assert span == (answer + "<|im_end|>" if stopped else answer)
         assert tok.decode(ids[:first]).endswith("<|im_start|>assistant\n")
-        assert row["finish_reason"] == "stop" or sum(mask) == 24
+        assert tok.decode(ids[last:]) == ("\n" if stopped else "<|im_end|>\n")  # template trailer, not trained on
+        assert stopped or sum(mask) == 24
 
 
 def test_aux_layers_equal_hf_hidden_states(run):
@@ -63,10 +64,10 @@ def test_aux_layers_equal_hf_hidden_states(run):
         with torch.no_grad():
             hs = model(s["input_ids"].long()[None], output_hidden_states=True).hidden_states
         h = model.config.hidden_size
-        for j, i in enumerate(layers):
-            torch.testing.assert_close(s["aux"][:, j * h:(j + 1) * h], hs[i][0], rtol=1e-4, atol=1e-4)
+        for j, i in enumerate(layers):  # 1e-3: extract ran batched (other matmul blocking); a wrong layer is off by O(1)
+            torch.testing.assert_close(s["aux"][:, j * h:(j + 1) * h], hs[i][0], rtol=1e-3, atol=1e-3)
             torch.testing.assert_close(hs[i][0], inputs[i][0])
-        torch.testing.assert_close(s["final"], hs[-1][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(s["final"], hs[-1][0], rtol=1e-3, atol=1e-3)
     for hk in hooks:
         hk.remove()
 

@@ -112,7 +112,8 @@ def test_mt_bench_file():
     heldout = load_prompts(str(MT_BENCH), "heldout", 5.0)
     assert len(train) + len(heldout) == 80 and not {p.id for p in train} & {p.id for p in heldout}
     assert prompts[0].id == "81" and prompts[0].messages[0]["content"].startswith("Compose an engaging")
-    assert all(len(p.messages) == 1 and p.messages[0]["role"] == "user" for p in prompts)
+    assert all(len(p.messages) == 2 and {m["role"] for m in p.messages} == {"user"} for p in prompts)  # both turns
+    assert all(p.first_user_turn == p.messages[:1] for p in prompts)
 
 
 def test_prompt_and_sharegpt_lines_and_json_list(tmp_path):

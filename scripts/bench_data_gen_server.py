@@ -1,0 +1,64 @@
+"""Benchmark data_gen's `openai` backend: requests/s and generated tokens/s at concurrency 1, 4, 16,
+each as a ratio to the single-stream rate, through the real data_gen code path (client, retries,
+tokenization, parquet parts).
+
+    python scripts/bench_data_gen_server.py                      # llama.cpp serving the embedded GGUF
+    python scripts/bench_data_gen_server.py --base-url http://127.0.0.1:30000/v1 --samples 256   # any server
+
+The ratio's ceiling is the server's: one that batches requests (SGLang, vLLM) scales with concurrency,
+one that runs them one at a time (llama-cpp-python's server) stays near 1.0x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from core.config import load_config  # noqa: E402
+from data_gen.generate import main as data_gen_main  # noqa: E402
+from scripts.llamacpp_server import llamacpp_server  # noqa: E402
+
+
+def run_once(base_url: str, concurrency: int, samples: int, max_new_tokens: int, out: Path) -> dict:
+    cfg = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", [
+        f"run_dir={out}", "data_gen.backend=openai", f"data_gen.base_url={base_url}",
+        f"data_gen.num_samples={samples}", f"data_gen.max_new_tokens={max_new_tokens}",
+        f"data_gen.concurrency={concurrency}", "data_gen.max_prompt_tokens=128"])
+    data_gen_main(cfg)
+    s = json.loads((out / "conversations/summary.json").read_text())
+    return {"requests_per_s": s["assistant_turns_now"] / s["wall_s"], "tokens_per_s": s["loss_tokens_now"] / s["wall_s"],
+            "wall_s": s["wall_s"], "requests": s["assistant_turns_now"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default="", help="an already running server (default: start llama.cpp)")
+    ap.add_argument("--samples", type=int, default=32, help="conversations per concurrency level")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", default="1,4,16")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    server = contextlib.nullcontext(args.base_url) if args.base_url else llamacpp_server()
+    with server as url, tempfile.TemporaryDirectory() as tmp:
+        results = {c: run_once(url, c, args.samples, args.max_new_tokens, Path(tmp) / f"c{c}") for c in levels}
+    base = results[levels[0]]
+    print(f"server {args.base_url or 'llama.cpp (llama-cpp-python 0.3.36, SmolLM2-135M Q4_1 GGUF, 2 threads)'}; "
+          f"{args.samples} ShareGPT prompts x <= {args.max_new_tokens} new tokens per level")
+    for c, r in results.items():
+        print(f"concurrency {c:>3}: {r['requests_per_s']:6.2f} req/s  {r['tokens_per_s']:7.1f} tok/s  "
+              f"= {r['requests_per_s'] / base['requests_per_s']:.2f}x req/s, "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tok/s of concurrency {levels[0]}  "
+              f"({r['requests']} requests in {r['wall_s']:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""data_gen's `openai` backend against a real OpenAI-compatible server: llama.cpp serving the embedded
+SmolLM2 GGUF on loopback (installed by `make llamacpp`, which `make test` runs)."""
+
+import json
+
+import pytest
+
+from core.config import load_config
+from core.conversations import read_conversations
+from core.prompts import load_sharegpt
+from core.target import load_tokenizer
+from data_gen.generate import main
+from scripts.llamacpp_server import llamacpp_server
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    log = tmp_path_factory.mktemp("llamacpp") / "server.log"
+    with llamacpp_server(n_ctx=2048, log_path=log) as url:
+        yield url
+
+
+def test_regenerates_multi_turn_sharegpt_conversations_on_policy(server_url, tmp_path):
+    cfg = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", [
+        f"run_dir={tmp_path / 'run'}", "data_gen.backend=openai", f"data_gen.base_url={server_url}",
+        "data_gen.max_turns=2", "data_gen.num_samples=8", "data_gen.max_prompt_tokens=96",
+        "data_gen.max_new_tokens=40", "data_gen.concurrency=4", "data_gen.part_samples=4"])
+    main(cfg)
+    tok = load_tokenizer(cfg)
+    rows = list(read_conversations(tmp_path / "run/conversations"))
+    assert len({r["conversation_id"] for r in rows}) == 8
+    originals = {p.id: p for p in load_sharegpt()[0]}
+    multi_turn = 0
+    for r in rows:
+        msgs = [{"role": m["role"], "content": m["content"]} for m in r["messages"]]
+        source = originals[r["conversation_id"]]
+        users = [m["content"] for m in source.messages if m["role"] == "user"]
+        assert [m["content"] for m in msgs if m["role"] == "user"] == users[:2]
+        answers = [m["content"] for m in msgs if m["role"] == "assistant"]
+        assert not set(answers) & {m["content"] for m in source.messages if m["role"] == "assistant"}
+        multi_turn += len(answers) == 2
+        # the mask: exactly each regenerated answer (+ <|im_end|> when it was not cut at max_tokens)
+        spans, cur = [], []
+        for t, m in zip(r["input_ids"], r["loss_mask"], strict=True):
+            if m:
+                cur.append(t)
+            elif cur:
+                spans.append(tok.decode(cur))
+                cur = []
+        spans += [tok.decode(cur)] if cur else []
+        assert [s.removesuffix("<|im_end|>") for s in spans] == answers
+        assert tok.decode(r["input_ids"]) == tok.apply_chat_template(msgs, tokenize=False)
+    assert multi_turn >= 4  # ShareGPT has single-turn conversations too
+    summary = json.loads((tmp_path / "run/conversations/summary.json").read_text())
+    assert summary["generated_now"] == 8 and summary["errors_now"] == {}
