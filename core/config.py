@@ -71,6 +71,8 @@ class ExtractConfig:
     batch_tokens: int = _f(4096, "token budget of one forward batch")
     shard_mb: int = _f(256, "approximate size of one shard file")
     dtype: str = _f("bfloat16", "storage dtype of aux/final: bfloat16 | float32")
+    mixed_precision: str = _f("no", "auto | no | bf16: run the target's matmuls under bf16 autocast (residual "
+                                    "stream stays fp32; 3.4x faster prefill on AMX CPUs); auto = where native")
 
 
 @dataclass
@@ -88,6 +90,8 @@ class TrainConfig:
     grad_clip: float = _f(0.5, "max grad norm")
     log_every: int = _f(10, "optimizer steps between log lines")
     save_every: int = _f(0, "optimizer steps between checkpoints (0: at each epoch end)")
+    aux_noise: float = _f(0.0, "uniform noise U(-a, a) added to the RMS-normalised aux features while training "
+                               "(EAGLE's feature-noise regulariser against memorising small data)")
     loss_on_prompt: bool = _f(False, "also distill the target's predictions at prompt positions (more signal per sample)")
     init_lm_head_from_target: bool = _f(True, "start lm_head (and norm) from the target's rows of the draft vocab")
     freeze_lm_head: bool = _f(False, "keep that lm_head fixed (fewer trainable parameters for small data)")

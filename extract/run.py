@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from core.aux_layers import resolve_aux_layers
@@ -18,7 +19,7 @@ from core.config import RunConfig
 from core.conversations import read_conversations
 from core.hidden_shards import ShardWriter
 from core.manifest import check_compat, read_manifest, write_manifest
-from core.target import load_target, target_info
+from core.target import load_target, resolve_precision, target_info
 from extract.hf_engine import batches_by_tokens, extract_batch
 
 log = logging.getLogger("extract")
@@ -45,12 +46,14 @@ def main(cfg: RunConfig) -> Path:
     log.info("%d conversations, %d already extracted, %d to do; aux layers %s",
              len(convs), len(convs) - len(todo), len(todo), aux_layers)
     model, _ = load_target(cfg)
+    precision = resolve_precision(ex.mixed_precision)
     lengths = [len(x) for x in rows["input_ids"]]
     bar = tqdm(total=sum(lengths), desc="extract", unit="tok", unit_scale=True)
     with writer:
         for batch in batches_by_tokens(lengths, ex.batch_tokens):
             sel = rows.select(batch)
-            outs = extract_batch(model, sel["input_ids"], aux_layers)
+            with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                outs = extract_batch(model, sel["input_ids"], aux_layers)
             for sid, ids, mask, (aux, final) in zip(sel["id"], sel["input_ids"], sel["loss_mask"], outs, strict=True):
                 writer.add(sid, ids, mask, aux, final)
             bar.update(sum(lengths[i] for i in batch))

@@ -20,6 +20,20 @@ class ShardDataset(Dataset):
         return {k: v[: self.max_len] for k, v in s.items()}
 
 
+def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, group: int = 16) -> list[list[int]]:
+    """Shuffled batches of samples of similar length: each run of `group` batches' worth of shuffled
+    samples is sorted by length before cutting, then batch order is shuffled. Padding, and the O(T^2)
+    TTT attention over it, shrinks without ordering the epoch by length."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    span = batch_size * group
+    batches = []
+    for start in range(0, len(order), span):
+        chunk = sorted(order[start:start + span], key=lambda i: lengths[i])
+        batches += [chunk[b:b + batch_size] for b in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
 def aux_rms(shards: HiddenShards, max_samples: int = 128) -> torch.Tensor:
     """Per-feature RMS of aux [3H] over assistant positions (where massive-activation sink tokens,
     e.g. the first token, are rare) of the first max_samples samples."""

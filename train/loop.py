@@ -28,8 +28,8 @@ from core.config import RunConfig, to_dict
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.hidden_shards import HiddenShards
 from core.manifest import read_manifest, write_manifest
-from core.target import TargetHead, load_target_embeddings, target_info
-from train.data import ShardDataset, aux_rms, collate
+from core.target import TargetHead, load_target_embeddings, resolve_precision, target_info
+from train.data import ShardDataset, aux_rms, collate, length_grouped_batches
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
 from train.plots import plot_curves
 from train.ttt_loss import TTTObjective, teacher_targets
@@ -66,18 +66,6 @@ def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, target:
     return d
 
 
-def resolve_precision(name: str) -> str:
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
-        return "bf16"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "no"
-    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "no"
-
-
 def lr_lambda(total_steps: int, warmup: int):
     def f(step: int) -> float:
         if step < warmup:
@@ -87,9 +75,9 @@ def lr_lambda(total_steps: int, warmup: int):
     return f
 
 
-def epoch_loader(ds, cfg: RunConfig, epoch: int, accelerator: Accelerator):
-    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
-    dl = DataLoader(torch.utils.data.Subset(ds, order), batch_size=cfg.train.batch_size, collate_fn=collate)
+def epoch_loader(ds, lengths: list[int], cfg: RunConfig, epoch: int, accelerator: Accelerator):
+    batches = length_grouped_batches(lengths, cfg.train.batch_size, cfg.seed + epoch)
+    dl = DataLoader(ds, batch_sampler=batches, collate_fn=collate)
     return accelerator.prepare_data_loader(dl)
 
 
@@ -150,10 +138,13 @@ def main(cfg: RunConfig) -> Path:
     log.info("%d samples / %d tokens; draft vocab %d covers %.2f%% of assistant tokens; precision %s on %s",
              len(shards), shards.num_tokens(), draft_ids.numel(), 100 * coverage, precision, accelerator.device)
     drafter = build_drafter(cfg, hm["compat"]["aux_layers"], draft_ids, t2d, target, aux_rms(shards))
-    head = target.lm_head.to(accelerator.device)
+    aux_scale = drafter.aux_scale.to(accelerator.device)
+    head = target.lm_head.to(accelerator.device)  # [V,H] fp32
+    head_argmax = head.bfloat16() if precision == "bf16" else None
     draft_ids_dev, t2d_dev = draft_ids.to(accelerator.device), t2d.to(accelerator.device)
 
     ds = ShardDataset(shards, shards.ids, tc.max_len)
+    lengths = [min(shards.rows[i]["length"], tc.max_len) for i in shards.ids]
     steps_per_epoch = math.ceil(len(ds) / (tc.batch_size * accelerator.num_processes * tc.grad_accum))
     total_steps = steps_per_epoch * tc.epochs
     objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay)
@@ -171,14 +162,17 @@ def main(cfg: RunConfig) -> Path:
                                   init_kwargs={"wandb": {"dir": str(train_dir), "name": cfg.name}})
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     for epoch in range(start_epoch, tc.epochs):
-        dl = epoch_loader(ds, cfg, epoch, accelerator)
+        dl = epoch_loader(ds, lengths, cfg, epoch, accelerator)
         if skip:
             dl = accelerator.skip_first_batches(dl, skip)
         for i, batch in enumerate(dl, start=skip):
             with accelerator.accumulate(objective):
                 mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
-                teacher = teacher_targets(batch["final"], mask, head, draft_ids_dev, t2d_dev)
-                loss, m = objective(batch["aux"], batch["input_ids"], mask, teacher)
+                teacher = teacher_targets(batch["final"], mask, head, draft_ids_dev, t2d_dev, head_argmax)
+                aux = batch["aux"]
+                if tc.aux_noise:  # in units of each feature's RMS (the drafter divides aux by aux_scale)
+                    aux = aux + (torch.rand_like(aux) * 2 - 1) * tc.aux_noise * aux_scale
+                loss, m = objective(aux, batch["input_ids"], mask, teacher)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(objective.parameters(), tc.grad_clip)

@@ -28,20 +28,23 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_targets(final: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Tensor,
-                    draft_ids: torch.Tensor, t2d: torch.Tensor):
+                    draft_ids: torch.Tensor, t2d: torch.Tensor, lm_head_argmax: torch.Tensor | None = None):
     """final [B,T,H] -> (p [B,T,Vd] target probs renormalised over the draft vocab,
     top [B,T] draft index of the target argmax, in_vocab [B,T] whether that argmax is in the draft vocab).
     Only positions j whose next token is an assistant token (loss_mask[j+1]) are ever a target, so
-    the full-vocab head (the costliest matmul of a step) runs on those rows alone."""
+    the full-vocab head (the costliest matmul of a step) runs on those rows alone, and only for the
+    argmax: with `lm_head_argmax` (a bf16 copy: ~2.7x faster on AMX CPUs) when given; p comes from
+    the draft rows in fp32."""
     b, t, h = final.shape
     need = shift_left(loss_mask, 1).bool()  # [B,T]
-    logits = final[need].to(lm_head.dtype) @ lm_head.T  # [n,V]
-    arg = logits.argmax(-1)
+    rows = final[need].float()  # [n,H]
+    full = lm_head if lm_head_argmax is None else lm_head_argmax
+    arg = (rows.to(full.dtype) @ full.T).argmax(-1)  # [n]
     target_to_draft = torch.cumsum(t2d.long(), 0) - 1  # target id -> draft index (where t2d)
     p = final.new_zeros(b, t, draft_ids.numel(), dtype=torch.float32)
     top = torch.zeros(b, t, dtype=torch.long, device=final.device)
     in_vocab = torch.zeros(b, t, dtype=torch.bool, device=final.device)
-    p[need] = torch.softmax(logits[:, draft_ids].float(), -1)
+    p[need] = torch.softmax(rows @ lm_head[draft_ids].float().T, -1)
     top[need] = target_to_draft[arg].clamp(min=0)
     in_vocab[need] = t2d[arg]
     return p, top, in_vocab
