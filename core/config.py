@@ -53,6 +53,8 @@ class DataGenConfig:
     stop: list[str] = _f([], "extra stop strings (openai backend)")
     request_seed: int | None = _f(None, "seed sent with every request (openai backend; +j for answer j)")
     batch_size: int = _f(16, "prompts generated together (hf backend)")
+    mixed_precision: str = _f("no", "auto | no | bf16: prompt prefill under bf16 autocast (hf backend; decode "
+                                    "stays in target.dtype); auto = where the device has native bf16")
     part_samples: int = _f(64, "samples per committed parquet part (resume granularity)")
     base_url: str = _f("", "server root incl. /v1, e.g. http://127.0.0.1:30000/v1 (openai backend)")
     model_name: str = _f("", "model name sent to the server (default: target.model)")

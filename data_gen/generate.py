@@ -27,7 +27,7 @@ from core.config import RunConfig
 from core.conversations import done_ids, template_hash, write_part
 from core.manifest import write_manifest
 from core.prompts import load_prompts
-from core.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
+from core.target import end_of_turn_ids, load_target, load_tokenizer, resolve_precision, resolve_target
 from data_gen.chat_tokenize import TemplateError, template_renders_reasoning, tokenize_conversation
 from data_gen.conversation import Regeneration, regenerations, to_rows
 from data_gen.hf_backend import HFBackend
@@ -214,7 +214,8 @@ def main(cfg: RunConfig) -> Path:
     try:
         if dg.backend == "hf":
             stop = sorted(set(end_of_turn_ids(tok, gen_cfg)) | set(tok.convert_tokens_to_ids(eot)))
-            backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, dg.batch_size, cfg.seed)
+            backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, dg.batch_size, cfg.seed,
+                                resolve_precision(dg.mixed_precision) == "bf16")
             run_hf(todo, backend, tok, cfg, sink, bar)
         else:
             failed = asyncio.run(run_openai(todo, tok, cfg, sink, bar))

@@ -4,6 +4,8 @@ tokenization, parquet parts).
 
     python scripts/bench_data_gen_server.py                      # llama.cpp serving the embedded GGUF
     python scripts/bench_data_gen_server.py --base-url http://127.0.0.1:30000/v1 --samples 256   # any server
+    python scripts/bench_data_gen_server.py --fake-latency 0.2    # client ceiling: a scripted server (test
+                                                                  # double) answering every request in 0.2 s
 
 The ratio's ceiling is the server's: one that batches requests (SGLang, vLLM) scales with concurrency,
 one that runs them one at a time (llama-cpp-python's server) stays near 1.0x.
@@ -44,10 +46,19 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32, help="conversations per concurrency level")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--fake-latency", type=float, default=None,
+                    help="use tests/fake_openai_server.py answering each request after this many seconds: "
+                         "an ideal batching server, so the ratio shows how the client itself scales")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     levels = [int(c) for c in args.concurrency.split(",")]
-    server = contextlib.nullcontext(args.base_url) if args.base_url else llamacpp_server()
+    if args.fake_latency is not None:
+        from tests.fake_openai_server import FakeOpenAIServer
+        fake = FakeOpenAIServer(latency=args.fake_latency)
+        server = contextlib.nullcontext(fake.__enter__().url)
+        args.base_url = f"scripted test double, {args.fake_latency} s per request"
+    else:
+        server = contextlib.nullcontext(args.base_url) if args.base_url else llamacpp_server()
     with server as url, tempfile.TemporaryDirectory() as tmp:
         results = {c: run_once(url, c, args.samples, args.max_new_tokens, Path(tmp) / f"c{c}") for c in levels}
     base = results[levels[0]]

@@ -42,6 +42,22 @@ def test_batched_generation_equals_single(target):
         assert generate(model, [p], 12, stop)[0].tokens == b.tokens
 
 
+def test_bf16_prefill_continues_the_fp32_cache_correctly():
+    """Prefill under bf16 autocast, decode in fp32 from the copied cache: SmolLM2's answers match fp32
+    greedy (up to a late near-tie flip), and a wrong cache hand-off would derail them at once."""
+    from core.config import load_config
+    from tests.conftest import ROOT
+
+    model, tok = load_target(load_config(ROOT / "configs/smollm2-135m-instruct.yaml"))
+    prompts = [prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    stop = end_of_turn_ids(tok, model.generation_config)
+    fp32 = generate(model, prompts, 16, stop)
+    bf16 = generate(model, prompts, 16, stop, bf16_prefill=True)
+    agree = [next((i for i, (a, b) in enumerate(zip(x.tokens, y.tokens)) if a != b), len(x.tokens))
+             for x, y in zip(fp32, bf16, strict=True)]
+    assert sum(agree) >= 0.8 * sum(len(x.tokens) for x in fp32) and min(agree) >= 4, agree
+
+
 def test_speculative_equals_greedy_with_untrained_drafter(target):
     model, _, prompts, stop = target
     n = model.config.num_hidden_layers

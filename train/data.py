@@ -4,20 +4,42 @@ from __future__ import annotations
 
 import torch
 from torch.utils.data import Dataset
+from tqdm import tqdm
 
 from core.hidden_shards import HiddenShards
 
 
 class ShardDataset(Dataset):
-    def __init__(self, shards: HiddenShards, ids: list[str], max_len: int):
-        self.shards, self.ids, self.max_len = shards, ids, max_len
+    """Samples truncated to max_len; `extra[name][id]` adds per-token tensors (e.g. the teacher argmax)."""
+
+    def __init__(self, shards: HiddenShards, ids: list[str], max_len: int, extra: dict | None = None):
+        self.shards, self.ids, self.max_len, self.extra = shards, ids, max_len, extra or {}
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s = self.shards.load(self.ids[i])
+        s.update({name: per_id[self.ids[i]] for name, per_id in self.extra.items()})
         return {k: v[: self.max_len] for k, v in s.items()}
+
+
+def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on_prompt: bool,
+                      argmax_fn) -> dict[str, torch.Tensor]:
+    """Per sample, the target's full-vocab argmax at every position that is ever a teacher target
+    (0 elsewhere), computed once instead of once per epoch."""
+    out = {}
+    for sid in tqdm(shards.ids, desc="teacher argmax", unit="sample"):
+        s = shards.load(sid, names=("loss_mask", "final"))
+        mask = torch.ones_like(s["loss_mask"]) if on_prompt else s["loss_mask"]
+        need = torch.zeros_like(mask, dtype=torch.bool)
+        need[:-1] = mask[1:].bool()
+        need[max_len:] = False
+        arg = torch.zeros(mask.shape[0], dtype=torch.long)
+        if need.any():
+            arg[need] = argmax_fn(s["final"][need].to(head.device), head).cpu()
+        out[sid] = arg
+    return out
 
 
 def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, group: int = 16) -> list[list[int]]:
@@ -58,6 +80,8 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         "aux": torch.zeros(b, t, samples[0]["aux"].shape[-1]),
         "final": torch.zeros(b, t, samples[0]["final"].shape[-1]),
     }
+    if "argmax" in samples[0]:
+        out["argmax"] = torch.zeros(b, t, dtype=torch.long)
     for i, s in enumerate(samples):
         n = s["input_ids"].numel()
         out["input_ids"][i, :n] = s["input_ids"].long()
@@ -65,4 +89,6 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         out["valid"][i, :n] = 1
         out["aux"][i, :n] = s["aux"].float()
         out["final"][i, :n] = s["final"].float()
+        if "argmax" in s:
+            out["argmax"][i, :n] = s["argmax"]
     return out

@@ -29,10 +29,10 @@ from core.drafter import DrafterConfig, Eagle3Drafter
 from core.hidden_shards import HiddenShards
 from core.manifest import read_manifest, write_manifest
 from core.target import TargetHead, load_target_embeddings, resolve_precision, target_info
-from train.data import ShardDataset, aux_rms, collate, length_grouped_batches
+from train.data import ShardDataset, aux_rms, collate, length_grouped_batches, precompute_argmax
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
 from train.plots import plot_curves
-from train.ttt_loss import TTTObjective, teacher_targets
+from train.ttt_loss import TTTObjective, teacher_argmax, teacher_targets
 
 log = logging.getLogger("train")
 
@@ -143,7 +143,9 @@ def main(cfg: RunConfig) -> Path:
     head_argmax = head.bfloat16() if precision == "bf16" else None
     draft_ids_dev, t2d_dev = draft_ids.to(accelerator.device), t2d.to(accelerator.device)
 
-    ds = ShardDataset(shards, shards.ids, tc.max_len)
+    argmax = precompute_argmax(shards, head_argmax if head_argmax is not None else head, tc.max_len,
+                               tc.loss_on_prompt, teacher_argmax)
+    ds = ShardDataset(shards, shards.ids, tc.max_len, {"argmax": argmax})
     lengths = [min(shards.rows[i]["length"], tc.max_len) for i in shards.ids]
     steps_per_epoch = math.ceil(len(ds) / (tc.batch_size * accelerator.num_processes * tc.grad_accum))
     total_steps = steps_per_epoch * tc.epochs
@@ -168,7 +170,7 @@ def main(cfg: RunConfig) -> Path:
         for i, batch in enumerate(dl, start=skip):
             with accelerator.accumulate(objective):
                 mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
-                teacher = teacher_targets(batch["final"], mask, head, draft_ids_dev, t2d_dev, head_argmax)
+                teacher = teacher_targets(batch["final"], mask, head, draft_ids_dev, t2d_dev, batch["argmax"])
                 aux = batch["aux"]
                 if tc.aux_noise:  # in units of each feature's RMS (the drafter divides aux by aux_scale)
                     aux = aux + (torch.rand_like(aux) * 2 - 1) * tc.aux_noise * aux_scale

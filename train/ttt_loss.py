@@ -27,19 +27,23 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def teacher_argmax(final: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """[n,H] -> [n] target argmax over the full vocab: the costliest matmul of training (49152 x H per
+    row), so train computes it once per sample, not once per epoch, in lm_head's dtype (bf16 where native)."""
+    return (final.to(lm_head.dtype) @ lm_head.T).argmax(-1)
+
+
+@torch.no_grad()
 def teacher_targets(final: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Tensor,
-                    draft_ids: torch.Tensor, t2d: torch.Tensor, lm_head_argmax: torch.Tensor | None = None):
+                    draft_ids: torch.Tensor, t2d: torch.Tensor, argmax: torch.Tensor | None = None):
     """final [B,T,H] -> (p [B,T,Vd] target probs renormalised over the draft vocab,
     top [B,T] draft index of the target argmax, in_vocab [B,T] whether that argmax is in the draft vocab).
     Only positions j whose next token is an assistant token (loss_mask[j+1]) are ever a target, so
-    the full-vocab head (the costliest matmul of a step) runs on those rows alone, and only for the
-    argmax: with `lm_head_argmax` (a bf16 copy: ~2.7x faster on AMX CPUs) when given; p comes from
-    the draft rows in fp32."""
+    only those rows are computed. `argmax` [B,T]: the full-vocab argmax, precomputed (else computed here)."""
     b, t, h = final.shape
     need = shift_left(loss_mask, 1).bool()  # [B,T]
     rows = final[need].float()  # [n,H]
-    full = lm_head if lm_head_argmax is None else lm_head_argmax
-    arg = (rows.to(full.dtype) @ full.T).argmax(-1)  # [n]
+    arg = argmax[need] if argmax is not None else teacher_argmax(rows, lm_head)
     target_to_draft = torch.cumsum(t2d.long(), 0) - 1  # target id -> draft index (where t2d)
     p = final.new_zeros(b, t, draft_ids.numel(), dtype=torch.float32)
     top = torch.zeros(b, t, dtype=torch.long, device=final.device)
