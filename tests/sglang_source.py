@@ -247,3 +247,33 @@ def sglang_capture_layers(model_file: str, layer_ids: list[int] | None, num_laye
     method(stand_in, None if layer_ids is None else list(layer_ids))
     assert stand_in.capture_aux_hidden_states, f"{rel}: set_eagle3_layers_to_capture did not enable capture"
     return list(stand_in.model.layers_to_capture)
+
+
+# ----------------------------------------------------------------------------- plugin hooks
+HOOK_REGISTRY_FILE = "srt/plugins/hook_registry.py"
+RESULT_PROCESSOR_FILE = "srt/managers/scheduler_components/batch_result_processor.py"
+MANAGERS_UTILS_FILE = "srt/managers/utils.py"
+
+
+def load_hook_registry() -> types.ModuleType:
+    """The real sglang.srt.plugins.hook_registry module (it imports only the standard library), loaded
+    from the installed source under its own dotted name. The caller puts it into sys.modules."""
+    import importlib.util
+
+    path = sglang_root() / HOOK_REGISTRY_FILE
+    spec = importlib.util.spec_from_file_location("sglang.srt.plugins.hook_registry", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def real_append_prefill_hidden_states() -> types.FunctionType:
+    """SchedulerBatchResultProcessor._append_prefill_hidden_states compiled from the real source."""
+    return _compile_method(RESULT_PROCESSOR_FILE, "SchedulerBatchResultProcessor",
+                           "_append_prefill_hidden_states", {})
+
+
+def method_signature(rel_path: str, cls: str, name: str) -> tuple[list[str], list[str]]:
+    """(positional parameter names, keyword-only parameter names) of a real method."""
+    args = source_method(rel_path, cls, name).args
+    return [a.arg for a in args.posonlyargs + args.args], [a.arg for a in args.kwonlyargs]

@@ -1,0 +1,244 @@
+"""The SGLang extraction plugin (extract/sglang_plugin.py) against the real sglang==0.5.23 source:
+hook targets and signatures, registration through the real HookRegistry, the replacement keeping
+the original's offset contract, and its dump behaviour on scripted scheduler batches (stand-in
+Req / LogitsProcessorOutput objects with the attributes the real code reads)."""
+
+import sys
+import threading
+import time
+import tomllib
+import types
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from extract import sglang_plugin as plugin
+from tests.conftest import ROOT
+from tests.sglang_source import (
+    MANAGERS_UTILS_FILE,
+    RESULT_PROCESSOR_FILE,
+    load_hook_registry,
+    method_signature,
+    real_append_prefill_hidden_states,
+    sglang_root,
+)
+
+H = 8
+
+
+@dataclass
+class Req:  # the attributes of sglang's Req that the hook reads
+    rid: str
+    origin_input_ids: list
+    return_hidden_states: bool = True
+    output_ids: list = field(default_factory=list)
+    inflight_middle_chunks: int = 0
+
+
+class Mode:
+    def __init__(self, full: bool):
+        self.full = full
+
+    def is_full(self):
+        return self.full
+
+    def is_last(self):
+        return not self.full
+
+
+@dataclass
+class LogitsOut:
+    hidden_states: torch.Tensor  # aux [rows, 3H]
+    last_hidden_states: torch.Tensor  # final [rows, H]
+    next_token_logprobs: object = None
+    input_token_logprobs: object = None
+
+
+def rows_for(req_id: int, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recognisable rows: value = request id * 1000 + position."""
+    base = torch.tensor([req_id * 1000 + p for p in positions], dtype=torch.float32)[:, None]
+    return base.expand(-1, 3 * H).clone(), (base + 0.5).expand(-1, H).clone()
+
+
+def test_hook_targets_exist_with_the_expected_signatures():
+    pos, kw = method_signature(RESULT_PROCESSOR_FILE, "SchedulerBatchResultProcessor", "_append_prefill_hidden_states")
+    assert pos == ["self"] and kw == ["req", "logits_output", "hidden_state_offset", "capture_hidden_mode",
+                                      "extend_input_len", "store"]
+    pos, kw = method_signature(MANAGERS_UTILS_FILE, "GenerationBatchResult", "copy_to_cpu")
+    assert pos == ["self", "return_logprob", "return_hidden_states"] and kw == []
+    utils = (sglang_root() / MANAGERS_UTILS_FILE).read_text()
+    assert "from sglang.srt.utils.common import async_d2h as _async_d2h" in utils
+    assert "def get_parallel()" in (sglang_root() / "srt/runtime_context.py").read_text()
+    assert "attn_tp_rank" in (sglang_root() / "srt/runtime_context.py").read_text()
+    # targets named as dotted paths resolve to those files
+    assert plugin.APPEND_TARGET.replace(".", "/").startswith("sglang/" + RESULT_PROCESSOR_FILE.removesuffix(".py"))
+    assert plugin.COPY_TARGET.replace(".", "/").startswith("sglang/" + MANAGERS_UTILS_FILE.removesuffix(".py"))
+
+
+def test_entry_point_is_declared():
+    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["sglang.srt.plugins"]
+    assert eps == {"eagle3_hidden_dump": "extract.sglang_plugin:register"}
+    assert "GENERAL_PLUGINS_GROUP = \"sglang.srt.plugins\"" in (sglang_root() / "srt/plugins/__init__.py").read_text()
+
+
+@pytest.fixture
+def real_registry(monkeypatch):
+    """The real HookRegistry, importable as sglang.srt.plugins.hook_registry, with a stand-in target
+    module whose method is the real _append_prefill_hidden_states compiled from source."""
+    registry = load_hook_registry()
+    target_mod = types.ModuleType("sglang.srt.managers.scheduler_components.batch_result_processor")
+    target_mod.SchedulerBatchResultProcessor = type("SchedulerBatchResultProcessor", (), {
+        "_append_prefill_hidden_states": real_append_prefill_hidden_states()})
+    utils_mod = types.ModuleType("sglang.srt.managers.utils")
+    utils_mod.GenerationBatchResult = type("GenerationBatchResult", (), {"copy_to_cpu": lambda self, a, b=True: "orig"})
+    utils_mod._async_d2h = lambda t: t.to("cpu", copy=True)
+    for name in ("sglang", "sglang.srt", "sglang.srt.plugins", "sglang.srt.managers",
+                 "sglang.srt.managers.scheduler_components"):
+        pkg = types.ModuleType(name)
+        pkg.__path__ = []
+        monkeypatch.setitem(sys.modules, name, pkg)
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", registry)
+    monkeypatch.setitem(sys.modules, target_mod.__name__, target_mod)
+    monkeypatch.setitem(sys.modules, utils_mod.__name__, utils_mod)
+    monkeypatch.setattr(registry.HookRegistry, "_hooks", registry.defaultdict(list))
+    monkeypatch.setattr(registry.HookRegistry, "_patched", set())
+    monkeypatch.setattr(plugin, "_STATE", None)
+    return registry, target_mod.SchedulerBatchResultProcessor
+
+
+def test_inert_without_the_env_var(real_registry, monkeypatch):
+    registry, _ = real_registry
+    monkeypatch.delenv(plugin.ENV_DIR, raising=False)
+    assert plugin.register() is False and not registry.HookRegistry._hooks
+
+
+def test_registers_through_the_real_registry_and_keeps_the_offset_contract(real_registry, monkeypatch, tmp_path):
+    registry, processor_cls = real_registry
+    original = processor_cls._append_prefill_hidden_states
+    monkeypatch.setenv(plugin.ENV_DIR, str(tmp_path / "dumps"))
+    assert plugin.register(is_rank0=lambda: True)
+    hooks = registry.HookRegistry._hooks
+    assert [(t.name, h) for t, h, _ in hooks[plugin.APPEND_TARGET]] == [("REPLACE", plugin.append_prefill_hidden_states)]
+    assert [(t.name, h) for t, h, _ in hooks[plugin.COPY_TARGET]] == [("BEFORE", plugin.copy_final_to_cpu)]
+    registry.HookRegistry.apply_hooks()
+    replaced = processor_cls._append_prefill_hidden_states
+    assert replaced is not original
+    # same offsets as the real method, for every kind of row, dumping or not
+    aux, final = rows_for(1, range(10))
+    out = LogitsOut(aux, final)
+    cases = [(Req("a", list(range(4))), 4, True), (Req("b", [1], output_ids=[5]), 1, True),
+             (Req("c", list(range(3)), return_hidden_states=False), 3, True), (Req("d", [1, 2]), 2, False)]
+    for full in (True, False):
+        off_real = off_ours = 0
+        for req, n, store in cases:
+            req_copy = Req(req.rid, req.origin_input_ids, req.return_hidden_states, list(req.output_ids))
+            req_copy.hidden_states = []
+            off_real = original(object(), req=req_copy, logits_output=out, hidden_state_offset=off_real,
+                                capture_hidden_mode=Mode(full), extend_input_len=n, store=store)
+            off_ours = replaced(object(), req=req, logits_output=out, hidden_state_offset=off_ours,
+                                capture_hidden_mode=Mode(full), extend_input_len=n, store=store)
+            assert off_ours == off_real
+    # the BEFORE hook ran through the registry's wrapper and the original still runs
+    result = sys.modules["sglang.srt.managers.utils"].GenerationBatchResult()
+    result.logits_output = LogitsOut(aux, final)
+    assert result.copy_to_cpu(False, True) == "orig"
+    plugin._STATE.writer.close()
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch):
+    rank0 = {"value": True}
+    st = plugin.DumpState(tmp_path / "dumps", 4, lambda: rank0["value"])
+    monkeypatch.setattr(plugin, "_STATE", st)
+    yield st, rank0
+    st.writer.close()
+
+
+def call(req, out, offset, n, store=True):
+    return plugin.append_prefill_hidden_states(object(), req=req, logits_output=out, hidden_state_offset=offset,
+                                               capture_hidden_mode=Mode(True), extend_input_len=n, store=store)
+
+
+def read_dump(path):
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def test_chunked_prefill_with_decode_rows_warmup_and_health_check(state, caplog):
+    """One 9-token prompt prefilled in 3 chunks, each batch also carrying decode rows of another
+    request, a warmup request without return_hidden_states and a health check."""
+    st, _ = state
+    long_req = Req("conv-7/turn 1", list(range(100, 109)))
+    chunks = [range(0, 4), range(4, 7), range(7, 9)]
+    for k, chunk in enumerate(chunks):
+        long_req.inflight_middle_chunks = 1 if k < 2 else 0
+        decode = Req("other", [1, 2, 3], output_ids=[9])  # a decode row: 1 row, never dumped
+        warmup = Req("warmup", [5, 6], return_hidden_states=False)
+        health = Req("HEALTH_CHECK_1", [7], return_hidden_states=False)
+        parts = [rows_for(7, chunk), rows_for(2, range(1)), rows_for(3, range(2)), rows_for(4, range(1))]
+        out = LogitsOut(torch.cat([a for a, _ in parts]), torch.cat([f for _, f in parts]))
+        off = call(long_req, out, 0, len(chunk), store=k == 2)  # middle chunks arrive with store=False
+        off = call(decode, out, off, 1)
+        off = call(warmup, out, off, 2)
+        off = call(health, out, off, 1)
+        assert off == out.hidden_states.shape[0]
+    st.writer.queue.join()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # decode rows were skipped, not rejected
+    files = sorted(p.name for p in st.writer.dir.iterdir())
+    assert files == [plugin.dump_path(st.writer.dir, "conv-7/turn 1").name]
+    assert "/" not in files[0] and files[0].startswith("conv-7_turn_1-")
+    tensors, meta = read_dump(st.writer.dir / files[0])
+    assert meta["rid"] == "conv-7/turn 1"
+    assert tensors["input_ids"].tolist() == list(range(100, 109))
+    expect_aux, expect_final = rows_for(7, range(9))
+    assert torch.equal(tensors["aux"], expect_aux) and torch.equal(tensors["final"], expect_final)
+
+
+def test_nothing_wrong_is_written(state):
+    st, rank0 = state
+    aux, final = rows_for(1, range(5))
+    out = LogitsOut(aux, final)
+    call(Req("short", list(range(6))), out, 0, 5)  # 5 rows for a 6-token prompt: row check fails
+    aborted = Req("aborted", list(range(5)), inflight_middle_chunks=1)
+    call(aborted, out, 0, 3)
+    aborted.inflight_middle_chunks = 0
+    call(aborted, out, 3, 2, store=False)  # finished/discarded at its last chunk: buffers dropped
+    rank0["value"] = False
+    call(Req("rank1", list(range(5))), out, 0, 5)  # not attention-TP rank 0
+    st.writer.queue.join()
+    assert list(st.writer.dir.iterdir()) == [] and st.stitcher.parts == {}
+
+
+def test_sanitized_rids_stay_inside_the_dump_dir_and_never_collide(tmp_path):
+    names = {plugin.sanitize_rid(r) for r in ["../../etc/passwd", "a/b", "a_b", "", ".hidden", "x" * 500, "ok-1.2"]}
+    assert len(names) == 7 and "ok-1.2" in names
+    for r in ["../../etc/passwd", "", ".hidden", "x" * 500]:
+        p = plugin.dump_path(tmp_path, r)
+        assert p.parent == tmp_path and not p.name.startswith(".") and len(p.name) < 140
+
+
+def test_full_queue_blocks_the_scheduler_until_the_disk_catches_up(tmp_path, monkeypatch):
+    """Backpressure: with the writer stalled, the put of the (max_pending+2)-th dump blocks."""
+    gate = threading.Event()
+    real_save = plugin.save_file
+    monkeypatch.setattr(plugin, "save_file", lambda *a, **k: (gate.wait(), real_save(*a, **k)))
+    writer = plugin.DumpWriter(tmp_path, max_pending=2)
+    aux, final = rows_for(1, range(3))
+    done = []
+
+    def produce():
+        for i in range(4):  # 1 being written + 2 queued, then the 4th put must wait
+            writer.put(f"r{i}", [1, 2, 3], aux, final)
+            done.append(i)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    assert done == [0, 1, 2]  # blocked on the 4th
+    gate.set()
+    t.join(timeout=10)
+    assert done == [0, 1, 2, 3]
+    writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"r{i}.safetensors" for i in range(4)]
