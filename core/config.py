@@ -68,7 +68,12 @@ class DataGenConfig:
 
 @dataclass
 class ExtractConfig:
-    engine: str = _f("hf", "hf (in-process target)")
+    engine: str = _f("hf", "hf (in-process target) | sglang (a server started by scripts/launch_sglang_extract.sh)")
+    server_url: str = _f("http://127.0.0.1:30000", "sglang engine: the server's root URL")
+    dump_dir: str = _f("", "sglang engine: the server's EAGLE3_DUMP_DIR (default <run>/dumps)")
+    max_inflight: int = _f(8, "sglang engine: requests in flight")
+    dump_budget_mb: int = _f(4096, "sglang engine: no new request while the dump dir holds more than this")
+    request_timeout: float = _f(600.0, "sglang engine: seconds per request")
     aux_layers: list[int] | None = _f(None, "input-of-layer ids; default [2, L//2, L-3]")
     batch_tokens: int = _f(4096, "token budget of one forward batch")
     shard_mb: int = _f(256, "approximate size of one shard file")

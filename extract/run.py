@@ -1,6 +1,7 @@
 """Extract hidden states for every conversation, resumably.
 
-    python -m extract --config configs/smollm2-135m-instruct.yaml
+    python -m extract --config configs/smollm2-135m-instruct.yaml                       # in-process (hf)
+    python -m extract --config ... extract.engine=sglang extract.server_url=http://127.0.0.1:30000
 
 Reads <run>/conversations, writes <run>/hidden (core/hidden_shards.py) + manifest.json.
 A rerun skips ids already in the shard index; a kill -9 loses at most the uncommitted shard.
@@ -8,6 +9,7 @@ A rerun skips ids already in the shard index; a kill -9 loses at most the uncomm
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -21,14 +23,15 @@ from core.hidden_shards import ShardWriter
 from core.manifest import check_compat, read_manifest, write_manifest
 from core.target import load_target, resolve_precision, target_info
 from extract.hf_engine import batches_by_tokens, extract_batch
+from extract.sglang_client import SGLangExtractor
 
 log = logging.getLogger("extract")
 
 
 def main(cfg: RunConfig) -> Path:
     ex = cfg.extract
-    if ex.engine != "hf":
-        raise ValueError(f"extract.engine = {ex.engine!r}: only 'hf' exists so far")
+    if ex.engine not in ("hf", "sglang"):
+        raise ValueError(f"extract.engine = {ex.engine!r}: use hf | sglang")
     conv_dir, out = cfg.run_path / "conversations", cfg.run_path / "hidden"
     check_compat(read_manifest(conv_dir, "generate"), {"target": cfg.target.model}, conv_dir)
     info = target_info(cfg)
@@ -45,20 +48,52 @@ def main(cfg: RunConfig) -> Path:
     rows = convs.select(todo)
     log.info("%d conversations, %d already extracted, %d to do; aux layers %s",
              len(convs), len(convs) - len(todo), len(todo), aux_layers)
-    model, _ = load_target(cfg)
-    precision = resolve_precision(ex.mixed_precision)
     lengths = [len(x) for x in rows["input_ids"]]
     bar = tqdm(total=sum(lengths), desc="extract", unit="tok", unit_scale=True)
+    failures = {}
     with writer:
-        for batch in batches_by_tokens(lengths, ex.batch_tokens):
-            sel = rows.select(batch)
-            with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                outs = extract_batch(model, sel["input_ids"], aux_layers)
-            for sid, ids, mask, (aux, final) in zip(sel["id"], sel["input_ids"], sel["loss_mask"], outs, strict=True):
-                writer.add(sid, ids, mask, aux, final)
-            bar.update(sum(lengths[i] for i in batch))
+        if ex.engine == "hf":
+            extract_hf(cfg, rows, lengths, aux_layers, writer, bar)
+        else:
+            failures = extract_sglang(cfg, rows, writer, bar)
     bar.close()
-    counts = {"samples": len(writer.done), "extracted_now": len(todo)}
+    counts = {"samples": len(writer.done), "extracted_now": len(todo) - sum(failures.values()),
+              "failed_now": failures}
     write_manifest(out, "extract", cfg, compat, counts, {"conversations": str(conv_dir)})
     log.info("hidden shards in %s: %s", out, counts)
+    if failures:
+        raise ValueError(f"{sum(failures.values())} samples failed their checks ({failures}); the rest is "
+                         "committed and nothing wrong was written: rerun to retry them")
     return out
+
+
+def extract_hf(cfg: RunConfig, rows, lengths: list[int], aux_layers: list[int], writer: ShardWriter, bar) -> None:
+    model, _ = load_target(cfg)
+    precision = resolve_precision(cfg.extract.mixed_precision)
+    for batch in batches_by_tokens(lengths, cfg.extract.batch_tokens):
+        sel = rows.select(batch)
+        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            outs = extract_batch(model, sel["input_ids"], aux_layers)
+        for sid, ids, mask, (aux, final) in zip(sel["id"], sel["input_ids"], sel["loss_mask"], outs, strict=True):
+            writer.add(sid, ids, mask, aux, final)
+        bar.update(sum(lengths[i] for i in batch))
+
+
+def extract_sglang(cfg: RunConfig, rows, writer: ShardWriter, bar) -> dict:
+    ex = cfg.extract
+    client = SGLangExtractor(ex.server_url, Path(ex.dump_dir or cfg.run_path / "dumps"), ex.max_inflight,
+                             ex.dump_budget_mb * 2**20, ex.request_timeout, dump_timeout=ex.request_timeout)
+    if n := client.clear_stale_dumps():
+        log.info("removed %d dumps left by an interrupted run (their samples are redone)", n)
+
+    def on_result(sid, sample, aux, final):
+        ids, mask = sample
+        writer.add(sid, ids, mask, aux, final)
+        bar.update(len(ids))
+
+    samples = ((sid, ids, (ids, mask)) for sid, ids, mask in zip(rows["id"], rows["input_ids"], rows["loss_mask"],
+                                                                  strict=True))
+    asyncio.run(client.run(samples, on_result))
+    if client.paused_s:
+        log.info("paused %.1f s in total for the dump-dir budget", client.paused_s)
+    return dict(client.failures)

@@ -1,0 +1,121 @@
+"""extract `sglang` engine: drive a plugin-patched SGLang server (scripts/launch_sglang_extract.sh).
+
+Per sample: POST /generate {"rid", "input_ids", "return_hidden_states": true, "sampling_params":
+{"max_new_tokens": 1, "temperature": 0}}; check meta_info (id == rid, prompt_tokens == len(ids),
+cached_tokens == 0: a prefix-cache hit means rows were never computed); wait for the plugin's
+`<dump_dir>/<rid>.safetensors`; check its token ids and row counts; hand aux/final to the shard
+writer; delete the dump. Dumps are keyed by our rid, so warmups, health checks and overlapping
+batches can't be matched to the wrong sample. In-flight requests are bounded, and while the dump
+dir holds more than its byte budget no new request is sent (the consumer never falls behind
+unboundedly). Anything that fails a check is reported by sample and never written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+from safetensors.torch import load_file
+
+from extract.sglang_plugin import dump_path
+
+log = logging.getLogger("extract.sglang")
+RID_PREFIX = "eagle3-"
+
+
+class DumpMismatch(ValueError):
+    """The server's answer or dump does not belong to, or does not cover, the sample."""
+
+
+def dump_dir_bytes(dump_dir: Path) -> int:
+    return sum(p.stat().st_size for p in Path(dump_dir).iterdir() if p.is_file())
+
+
+def check_meta(meta: dict, rid: str, n_tokens: int) -> None:
+    if meta.get("id") != rid:
+        raise DumpMismatch(f"meta_info.id {meta.get('id')!r} != rid {rid!r}")
+    if meta.get("prompt_tokens") != n_tokens:
+        raise DumpMismatch(f"prompt_tokens {meta.get('prompt_tokens')} != {n_tokens} sent")
+    if meta.get("cached_tokens", 0) != 0:
+        raise DumpMismatch(f"cached_tokens = {meta['cached_tokens']}: prefix-cache hit, rows never computed "
+                           "(launch with --disable-radix-cache)")
+
+
+def read_dump(path: Path, input_ids: list[int]):
+    """(aux, final) of a dump after checking its ids and row counts against the sample."""
+    t = load_file(str(path))
+    if t["input_ids"].tolist() != list(input_ids):
+        raise DumpMismatch(f"{path.name}: token ids differ from the sample's")
+    n = len(input_ids)
+    if t["aux"].shape[0] != n or t["final"].shape[0] != n:
+        raise DumpMismatch(f"{path.name}: {t['aux'].shape[0]} aux / {t['final'].shape[0]} final rows for {n} tokens")
+    return t["aux"], t["final"]
+
+
+class SGLangExtractor:
+    def __init__(self, server_url: str, dump_dir: Path, max_inflight: int, dump_budget_bytes: int,
+                 request_timeout: float, dump_timeout: float):
+        self.url = server_url.rstrip("/") + "/generate"
+        self.dump_dir, self.budget = Path(dump_dir), dump_budget_bytes
+        self.max_inflight, self.request_timeout, self.dump_timeout = max_inflight, request_timeout, dump_timeout
+        self.failures: Counter[str] = Counter()
+        self.paused_s = 0.0
+
+    def clear_stale_dumps(self) -> int:
+        """Dumps of ours left by a killed run (their samples are redone); they would count against the budget."""
+        stale = list(self.dump_dir.glob(f"{RID_PREFIX}*.safetensors"))
+        for p in stale:
+            p.unlink(missing_ok=True)
+        return len(stale)
+
+    async def _wait_for_budget(self) -> None:
+        start = None
+        while dump_dir_bytes(self.dump_dir) > self.budget:
+            if start is None:
+                start = time.monotonic()
+                log.warning("dump dir %s over its %.0f MB budget: pausing new requests", self.dump_dir, self.budget / 2**20)
+            await asyncio.sleep(0.05)
+        if start is not None:
+            self.paused_s += time.monotonic() - start
+
+    async def _one(self, client: httpx.AsyncClient, sample_id: str, input_ids: list[int]):
+        rid = RID_PREFIX + sample_id
+        path = dump_path(self.dump_dir, rid)
+        body = {"rid": rid, "input_ids": list(input_ids), "return_hidden_states": True,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        resp = await client.post(self.url, json=body)
+        if resp.status_code != 200:
+            raise DumpMismatch(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        check_meta(resp.json().get("meta_info") or {}, rid, len(input_ids))
+        deadline = time.monotonic() + self.dump_timeout
+        while not path.exists():  # the plugin's writer thread may still be committing it
+            if time.monotonic() > deadline:
+                raise DumpMismatch(f"no dump {path.name} within {self.dump_timeout:.0f} s of the response")
+            await asyncio.sleep(0.01)
+        try:
+            return read_dump(path, input_ids)
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def run(self, samples, on_result) -> None:
+        """samples: iterable of (sample_id, input_ids, extra); on_result(sample_id, extra, aux, final)."""
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        queue = iter(samples)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout)) as client:
+
+            async def worker():
+                for sample_id, input_ids, extra in queue:
+                    await self._wait_for_budget()
+                    try:
+                        aux, final = await self._one(client, sample_id, input_ids)
+                    except (DumpMismatch, httpx.HTTPError, KeyError, ValueError) as e:
+                        self.failures[type(e).__name__] += 1
+                        log.error("sample %s not extracted: %s", sample_id, e)
+                        continue
+                    on_result(sample_id, extra, aux, final)
+
+            await asyncio.gather(*(worker() for _ in range(self.max_inflight)))

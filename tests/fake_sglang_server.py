@@ -1,0 +1,139 @@
+"""TEST DOUBLE of an SGLang 0.5.23 extraction server (launched by scripts/launch_sglang_extract.sh):
+`/generate` and `/health` on loopback, built on the hf engine and the plugin's real hook.
+
+For each `/generate` with return_hidden_states the double computes the prompt's hidden states with
+extract/hf_engine.extract_batch and feeds them to extract.sglang_plugin.append_prefill_hidden_states
+the way SGLang's scheduler does: the prefill split into >= 3 chunks (middle chunks flagged by
+inflight_middle_chunks > 0 and store=False), every chunk batched together with a decode row of
+another request and a row of a request that did not ask for hidden states. It answers a warmup
+request (no hidden states) at start and health checks. Rids in `cache_hit_rids` are answered once
+with cached_tokens > 0 and no dump, as a real prefix-cache hit computes no rows for them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from extract import sglang_plugin as plugin
+from extract.hf_engine import extract_batch
+
+
+@dataclass
+class Req:  # the attributes of sglang's Req that the plugin reads
+    rid: str
+    origin_input_ids: list
+    return_hidden_states: bool = True
+    output_ids: list = field(default_factory=list)
+    inflight_middle_chunks: int = 0
+
+
+class Mode:  # CaptureHiddenMode
+    def __init__(self, full: bool = True):
+        self.full = full
+
+    def is_full(self) -> bool:
+        return self.full
+
+    def is_last(self) -> bool:
+        return not self.full
+
+
+@dataclass
+class LogitsOut:  # LogitsProcessorOutput: aux rows and post-norm final rows of one batch
+    hidden_states: torch.Tensor
+    last_hidden_states: torch.Tensor
+
+
+class FakeSGLangServer:
+    def __init__(self, model, aux_layers: list[int], dump_dir, cache_hit_rids=(), chunks: int = 3,
+                 max_pending: int = 4):
+        self.model, self.aux_layers, self.chunks = model, aux_layers, chunks
+        self.cache_hit_rids = set(cache_hit_rids)
+        self.state = plugin.DumpState(dump_dir, max_pending, lambda: True)
+        self.scheduler = threading.Lock()  # SGLang runs one scheduler loop: batches never overlap
+        self.request_times: list[float] = []
+        self.warmed_up = False
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if self.path == "/health":
+                    return self._send(200, {"status": "ok"})
+                return self._send(404, {"error": "not found"})
+
+            def do_POST(self):
+                if self.path != "/generate":
+                    return self._send(404, {"error": "not found"})
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                unknown = set(body.get("sampling_params", {})) - {"max_new_tokens", "temperature"}
+                if unknown:  # SGLang answers 400 to unknown sampling params
+                    return self._send(400, {"error": f"unknown sampling params {sorted(unknown)}"})
+                return self._send(200, server.generate(body))
+
+            def _send(self, status, obj):
+                payload = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def generate(self, body: dict) -> dict:
+        rid, ids = body.get("rid") or f"auto-{time.monotonic_ns()}", list(body["input_ids"])
+        self.request_times.append(time.monotonic())
+        meta = {"id": rid, "prompt_tokens": len(ids), "completion_tokens": 1, "cached_tokens": 0}
+        if rid in self.cache_hit_rids:
+            self.cache_hit_rids.discard(rid)
+            return {"text": "", "meta_info": {**meta, "cached_tokens": min(3, len(ids))}}
+        with self.scheduler:
+            self._prefill(Req(rid, ids, return_hidden_states=bool(body.get("return_hidden_states"))))
+        return {"text": "", "meta_info": meta}
+
+    def _prefill(self, req: Req) -> None:
+        (aux, final), = extract_batch(self.model, [req.origin_input_ids], self.aux_layers)
+        n = len(req.origin_input_ids)
+        bounds = torch.linspace(0, n, self.chunks + 1).round().long().tolist() if n >= self.chunks else [0, n]
+        for k in range(len(bounds) - 1):
+            last = k == len(bounds) - 2
+            req.inflight_middle_chunks = 0 if last else 1
+            lo, hi = bounds[k], bounds[k + 1]
+            decode = Req(f"decode-{k}", [1, 2, 3], output_ids=[7])  # a decode row sharing the batch
+            quiet = Req(f"quiet-{k}", [4, 5], return_hidden_states=False)  # e.g. a warmup-like request
+            batch_aux = torch.cat([aux[lo:hi], torch.randn(1 + 2, aux.shape[1])])
+            batch_final = torch.cat([final[lo:hi], torch.randn(1 + 2, final.shape[1])])
+            out = LogitsOut(batch_aux, batch_final)
+            off = 0
+            for r, rows, store in ((req, hi - lo, last), (decode, 1, True), (quiet, 2, True)):
+                off = plugin.append_prefill_hidden_states(None, req=r, logits_output=out, hidden_state_offset=off,
+                                                          capture_hidden_mode=Mode(True), extend_input_len=rows,
+                                                          store=store)
+            assert off == batch_aux.shape[0]
+
+    def __enter__(self) -> FakeSGLangServer:
+        plugin._STATE = self.state
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.generate({"rid": "warmup", "input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1}})
+        self.warmed_up = True
+        self.request_times.clear()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.state.writer.close()
+        plugin._STATE = None
