@@ -10,7 +10,7 @@ OVERRIDES=(); while [[ $# -gt 0 && $1 != "--" ]]; do OVERRIDES+=("$1"); shift; d
 [[ ${1:-} == "--" ]] && shift
 eval "$(python -m extract.sglang_launch --config "$CONFIG" "${OVERRIDES[@]}")"
 mkdir -p "$DUMP_DIR"
-export EAGLE3_DUMP_DIR="$DUMP_DIR" SGLANG_PLUGINS="${SGLANG_PLUGINS:-eagle3_hidden_dump}"
+export EAGLE3_DUMP_DIR="$DUMP_DIR"
 # shellcheck disable=SC2086  # LAYER_IDS is a space-separated list on purpose
 exec python -m sglang.launch_server --model-path "$MODEL_PATH" --port "$PORT" \
   --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 \

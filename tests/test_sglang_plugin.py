@@ -8,7 +8,6 @@ import threading
 import time
 import tomllib
 import types
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from safetensors import safe_open
 
 from extract import sglang_plugin as plugin
 from tests.conftest import ROOT
+from tests.fake_sglang_server import LogitsOut, Mode, Req
 from tests.sglang_source import (
     MANAGERS_UTILS_FILE,
     RESULT_PROCESSOR_FILE,
@@ -26,34 +26,6 @@ from tests.sglang_source import (
 )
 
 H = 8
-
-
-@dataclass
-class Req:  # the attributes of sglang's Req that the hook reads
-    rid: str
-    origin_input_ids: list
-    return_hidden_states: bool = True
-    output_ids: list = field(default_factory=list)
-    inflight_middle_chunks: int = 0
-
-
-class Mode:
-    def __init__(self, full: bool):
-        self.full = full
-
-    def is_full(self):
-        return self.full
-
-    def is_last(self):
-        return not self.full
-
-
-@dataclass
-class LogitsOut:
-    hidden_states: torch.Tensor  # aux [rows, 3H]
-    last_hidden_states: torch.Tensor  # final [rows, H]
-    next_token_logprobs: object = None
-    input_token_logprobs: object = None
 
 
 def rows_for(req_id: int, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
