@@ -59,7 +59,8 @@ def read_dump(path: Path, input_ids: list[int]):
 class SGLangExtractor:
     def __init__(self, server_url: str, dump_dir: Path, max_inflight: int, dump_budget_bytes: int,
                  request_timeout: float, dump_timeout: float):
-        self.url = server_url.rstrip("/") + "/generate"
+        self.root = server_url.rstrip("/")
+        self.url = self.root + "/generate"
         self.dump_dir, self.budget = Path(dump_dir), dump_budget_bytes
         self.max_inflight, self.request_timeout, self.dump_timeout = max_inflight, request_timeout, dump_timeout
         self.failures: Counter[str] = Counter()
@@ -81,6 +82,20 @@ class SGLangExtractor:
             await asyncio.sleep(0.05)
         if start is not None:
             self.paused_s += time.monotonic() - start
+
+    async def _wait_ready(self, client: httpx.AsyncClient) -> None:
+        """GET /health until the server answers 200 (it may still be loading weights or warming up)."""
+        deadline = time.monotonic() + self.request_timeout
+        while True:
+            try:
+                if (await client.get(self.root + "/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise ValueError(f"SGLang server at {self.root} not healthy after {self.request_timeout:.0f} s "
+                                 "(start it with scripts/launch_sglang_extract.sh)")
+            await asyncio.sleep(1.0)
 
     async def _one(self, client: httpx.AsyncClient, sample_id: str, input_ids: list[int]):
         rid = RID_PREFIX + sample_id
@@ -106,6 +121,7 @@ class SGLangExtractor:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         queue = iter(samples)
         async with httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout)) as client:
+            await self._wait_ready(client)
 
             async def worker():
                 for sample_id, input_ids, extra in queue:

@@ -1,29 +1,46 @@
 """`make demo`: run generate -> extract -> train -> eval for one config, timing each stage.
 
     python scripts/demo.py --config configs/smollm2-135m-instruct.yaml [--run-dir DIR] [key=value ...]
+
+The stages run one after another in this process (each is exactly `python -m <stage>`'s main; one
+interpreter saves ~4 s of imports per stage on a 2-core machine).
 """
 
+import gc
 import json
-import subprocess
+import logging
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from core.cli import stage_parser  # noqa: E402
+from core.cli import run_main, stage_parser  # noqa: E402
 from core.config import load_config  # noqa: E402
+from data_gen.generate import main as data_gen_main  # noqa: E402
+from eval.run import main as eval_main  # noqa: E402
+from extract.run import main as extract_main  # noqa: E402
+from train.loop import main as train_main  # noqa: E402
+
+STAGES = {"data_gen": data_gen_main, "extract": extract_main, "train": train_main, "eval": eval_main}
 
 
 def main() -> int:
     args = stage_parser("demo", __doc__).parse_args()
-    cfg = load_config(args.config, args.overrides)
-    run_dir = Path(args.run_dir) if args.run_dir else cfg.run_path
-    flags = ["--config", args.config, "--run-dir", str(run_dir), *args.overrides]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     times = {}
-    for stage in ("data_gen", "extract", "train", "eval"):
+    for stage, stage_main in STAGES.items():
         print(f"\n=== {stage} ===", flush=True)
+        try:
+            cfg = load_config(args.config, args.overrides)  # a fresh config per stage, as the CLI builds it
+        except (ValueError, FileNotFoundError) as e:
+            print(f"demo: error: {e}", file=sys.stderr)
+            return 2
+        if args.run_dir:
+            cfg.run_dir = args.run_dir
+        run_dir = cfg.run_path
         t = time.time()
-        rc = subprocess.call([sys.executable, "-m", stage, *flags])
+        rc = run_main(stage, stage_main, cfg)
+        gc.collect()
         times[stage] = time.time() - t
         if rc != 0:
             print(f"demo: stage {stage} failed (exit {rc}); rerun `make demo` to resume where it stopped")

@@ -5,8 +5,8 @@ For each `/generate` with return_hidden_states the double computes the prompt's 
 extract/hf_engine.extract_batch and feeds them to extract.sglang_plugin.append_prefill_hidden_states
 the way SGLang's scheduler does: the prefill split into >= 3 chunks (middle chunks flagged by
 inflight_middle_chunks > 0 and store=False), every chunk batched together with a decode row of
-another request and a row of a request that did not ask for hidden states. It answers a warmup
-request (no hidden states) at start and health checks. Rids in `cache_hit_rids` are answered once
+another request and a row of a request that did not ask for hidden states. At start it runs a
+warmup and a HEALTH_CHECK_ generation (no hidden states) through the same path; GET /health answers. Rids in `cache_hit_rids` are answered once
 with cached_tokens > 0 and no dump, as a real prefix-cache hit computes no rows for them.
 """
 
@@ -58,7 +58,7 @@ class FakeSGLangServer:
         self.state = plugin.DumpState(dump_dir, max_pending, lambda: True)
         self.scheduler = threading.Lock()  # SGLang runs one scheduler loop: batches never overlap
         self.request_times: list[float] = []
-        self.warmed_up = False
+        self.health_checks = 0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -68,6 +68,7 @@ class FakeSGLangServer:
                 pass
 
             def do_GET(self):
+                server.health_checks += 1
                 if self.path == "/health":
                     return self._send(200, {"status": "ok"})
                 return self._send(404, {"error": "not found"})
@@ -127,8 +128,10 @@ class FakeSGLangServer:
     def __enter__(self) -> FakeSGLangServer:
         plugin._STATE = self.state
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        # SGLang's own traffic before and beside ours: a warmup and a health-check generation, neither
+        # asking for hidden states (so neither may leave a dump)
         self.generate({"rid": "warmup", "input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1}})
-        self.warmed_up = True
+        self.generate({"rid": "HEALTH_CHECK_0", "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}})
         self.request_times.clear()
         return self
 

@@ -68,7 +68,7 @@ def test_rows_equal_hf_engine_and_a_cache_hit_is_reported_not_written(served, co
         assert proc.stderr.strip().splitlines()[-1].startswith("extract: error: 1 samples failed their checks")
         assert len(HiddenShards(run / "hidden")) == 23  # everything else committed, the victim absent
         run_cli("extract", *sglang_flags(run, server.url))  # the rerun fetches just the victim
-        assert len(server.request_times) == 24 + 1
+        assert len(server.request_times) == 24 + 1 and server.health_checks == 2  # one readiness check per run
     assert_rows_equal_hf(run, conversations)
     assert list((run / "dumps").iterdir()) == []  # every dump consumed
 
