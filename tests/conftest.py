@@ -28,3 +28,15 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise AssertionError(f"{args[0]} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
+
+
+def masked_spans(tok, ids: list[int], mask: list[int]) -> list[str]:
+    """Decoded runs of consecutive loss-mask-1 tokens: what a sample trains on, turn by turn."""
+    spans, cur = [], []
+    for t, m in zip(ids, mask, strict=True):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(tok.decode(cur))
+            cur = []
+    return spans + ([tok.decode(cur)] if cur else [])

@@ -13,6 +13,7 @@ from data_gen.chat_tokenize import (
     template_renders_reasoning,
     tokenize_conversation,
 )
+from tests.conftest import masked_spans
 
 LLAMA3 = (
     "{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
@@ -73,19 +74,6 @@ def family(base_tok, template: str | None, bos: str | None = None):
     if bos is not None:
         tok.bos_token = bos
     return tok
-
-
-def masked_spans(tok, ids, mask) -> list[str]:
-    spans, cur = [], []
-    for t, m in zip(ids, mask, strict=True):
-        if m:
-            cur.append(t)
-        elif cur:
-            spans.append(tok.decode(cur))
-            cur = []
-    if cur:
-        spans.append(tok.decode(cur))
-    return spans
 
 
 @pytest.mark.parametrize("name,template,eot,bos,markup", [

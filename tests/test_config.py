@@ -34,7 +34,7 @@ def test_cli_rejects_bad_key_with_one_line_and_exit_2():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "extract: error: configs/smollm2-135m-instruct.yaml: unknown config key train.bogus "
-        "(known: batch_size, draft_vocab_size, epochs, freeze_lm_head, grad_accum, grad_clip, "
+        "(known: aux_noise, batch_size, draft_vocab_size, epochs, freeze_lm_head, grad_accum, grad_clip, "
         "init_lm_head_from_target, log_every, loss_decay, loss_on_prompt, lr, max_len, mixed_precision, "
         "save_every, ttt_steps, wandb_mode, wandb_project, warmup_ratio, weight_decay)")
 
@@ -43,3 +43,11 @@ def test_help_lists_every_key():
     text = describe()
     for key in ("target.model", "data_gen.num_samples", "extract.aux_layers", "train.ttt_steps", "eval.draft_steps"):
         assert key in text
+
+
+def test_yaml_bare_no_is_the_string_no(tmp_path):
+    """YAML 1.1 reads `mixed_precision: no` as false; the schema takes it as the string it meant."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  mixed_precision: no\nextract:\n  mixed_precision: no\n")
+    cfg = load_config(path)
+    assert cfg.train.mixed_precision == "no" and cfg.extract.mixed_precision == "no"

@@ -11,7 +11,7 @@ from core.prompts import load_sharegpt
 from core.target import load_tokenizer
 from data_gen.generate import main
 from scripts.llamacpp_server import llamacpp_server
-from tests.conftest import ROOT
+from tests.conftest import ROOT, masked_spans
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +41,7 @@ def test_regenerates_multi_turn_sharegpt_conversations_on_policy(server_url, tmp
         assert not set(answers) & {m["content"] for m in source.messages if m["role"] == "assistant"}
         multi_turn += len(answers) == 2
         # the mask: exactly each regenerated answer (+ <|im_end|> when it was not cut at max_tokens)
-        spans, cur = [], []
-        for t, m in zip(r["input_ids"], r["loss_mask"], strict=True):
-            if m:
-                cur.append(t)
-            elif cur:
-                spans.append(tok.decode(cur))
-                cur = []
-        spans += [tok.decode(cur)] if cur else []
+        spans = masked_spans(tok, r["input_ids"], r["loss_mask"])
         assert [s.removesuffix("<|im_end|>") for s in spans] == answers
         assert tok.decode(r["input_ids"]) == tok.apply_chat_template(msgs, tokenize=False)
     assert multi_turn >= 4  # ShareGPT has single-turn conversations too
