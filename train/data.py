@@ -7,6 +7,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from core.hidden_shards import HiddenShards
+from train.ttt_loss import teacher_argmax
 
 
 class ShardDataset(Dataset):
@@ -24,8 +25,7 @@ class ShardDataset(Dataset):
         return {k: v[: self.max_len] for k, v in s.items()}
 
 
-def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on_prompt: bool,
-                      argmax_fn) -> dict[str, torch.Tensor]:
+def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on_prompt: bool) -> dict[str, torch.Tensor]:
     """Per sample, the target's full-vocab argmax at every position that is ever a teacher target
     (0 elsewhere), computed once instead of once per epoch."""
     out = {}
@@ -37,7 +37,7 @@ def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on
         need[max_len:] = False
         arg = torch.zeros(mask.shape[0], dtype=torch.long)
         if need.any():
-            arg[need] = argmax_fn(s["final"][need].to(head.device), head).cpu()
+            arg[need] = teacher_argmax(s["final"][need].to(head.device), head).cpu()
         out[sid] = arg
     return out
 

@@ -32,7 +32,7 @@ from core.target import TargetHead, load_target_embeddings, resolve_precision, t
 from train.data import ShardDataset, aux_rms, collate, length_grouped_batches, precompute_argmax
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
 from train.plots import plot_curves
-from train.ttt_loss import TTTObjective, teacher_argmax, teacher_targets
+from train.ttt_loss import TTTObjective, teacher_targets
 
 log = logging.getLogger("train")
 
@@ -140,11 +140,10 @@ def main(cfg: RunConfig) -> Path:
     drafter = build_drafter(cfg, hm["compat"]["aux_layers"], draft_ids, t2d, target, aux_rms(shards))
     aux_scale = drafter.aux_scale.to(accelerator.device)
     head = target.lm_head.to(accelerator.device)  # [V,H] fp32
-    head_argmax = head.bfloat16() if precision == "bf16" else None
+    argmax_head = head.bfloat16() if precision == "bf16" else head  # argmax only: bf16 is ~2.7x faster
     draft_ids_dev, t2d_dev = draft_ids.to(accelerator.device), t2d.to(accelerator.device)
 
-    argmax = precompute_argmax(shards, head_argmax if head_argmax is not None else head, tc.max_len,
-                               tc.loss_on_prompt, teacher_argmax)
+    argmax = precompute_argmax(shards, argmax_head, tc.max_len, tc.loss_on_prompt)
     ds = ShardDataset(shards, shards.ids, tc.max_len, {"argmax": argmax})
     lengths = [min(shards.rows[i]["length"], tc.max_len) for i in shards.ids]
     steps_per_epoch = math.ceil(len(ds) / (tc.batch_size * accelerator.num_processes * tc.grad_accum))
