@@ -77,7 +77,10 @@ class ExtractConfig:
     aux_layers: list[int] | None = _f(None, "input-of-layer ids; default [2, L//2, L-3]")
     batch_tokens: int = _f(4096, "token budget of one forward batch")
     shard_mb: int = _f(256, "approximate size of one shard file")
-    dtype: str = _f("bfloat16", "storage dtype of aux/final: bfloat16 | float32")
+    dtype: str = _f("bfloat16", "storage of aux/final: bfloat16 | float32 | fp8_e4m3 (one fp32 scale per token "
+                                "and layer: ~0.5x the bytes of bfloat16)")
+    spans: str = _f("all", "all | loss: final rows only where the loss reads a teacher target (aux stays on "
+                           "every token: the drafter attends over the prompt); `python -m extract stats` shows bytes")
     mixed_precision: str = _f("no", "auto | no | bf16: run the target's matmuls under bf16 autocast (residual "
                                     "stream stays fp32; 3.4x faster prefill on AMX CPUs); auto = where native")
 

@@ -1,7 +1,14 @@
 """Hidden-state shards (extract -> train): the one writer and the one reader.
 
-    hidden/shard-00000.safetensors   input_ids int32 [N], loss_mask uint8 [N], aux [N, 3H], final [N, H]
+    hidden/shard-00000.safetensors   input_ids int32 [N], loss_mask uint8 [N], aux [N, 3H], final [M, H]
+                                     (+ aux_scale [N, 3], final_scale [M] fp32 when stored as fp8 e4m3)
     hidden/index.jsonl               append-only: {"id", "shard", "offset", "length", "sha256"}
+                                     (+ "final_offset", "final_length" when final is stored on loss spans)
+
+Storage options: dtype bfloat16 (default) | float32 | fp8_e4m3 (core/fp8_rows.py, ~0.5x bf16), and
+spans all (M = N) | loss: final rows only at the positions whose teacher distribution the loss reads
+(j with loss_mask[j+1] = 1); aux stays on every token because the drafter attends over the prompt.
+The reader hides both: it returns aux [T, 3H] and final [T, H] (zeros where final was not stored).
 
 A shard is committed (temp + fsync + rename) before its samples enter the index, so after a kill
 the index names only whole shards; a committed shard missing from the index is an orphan that the
@@ -21,12 +28,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from core.atomic_io import append_jsonl, atomic_write, read_jsonl, repair_jsonl
+from core.fp8_rows import FP8, dequantize_rows, quantize_rows
 
 log = logging.getLogger(__name__)
 
 INDEX = "index.jsonl"
 _SHARD_RE = re.compile(r"shard-(\d{5})\.safetensors$")
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": FP8}
+SPANS = ("all", "loss")
+
+
+class SampleMismatch(ValueError):
+    """A sample's rows do not belong to, or do not cover, its tokens; it is reported, never written."""
 
 
 def ids_sha256(input_ids: torch.Tensor) -> str:
@@ -37,13 +50,37 @@ def shard_name(n: int) -> str:
     return f"shard-{n:05d}.safetensors"
 
 
+def teacher_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[T] -> bool [T]: positions j whose target distribution the loss reads (token j+1 is trained on)."""
+    need = torch.zeros(loss_mask.shape, dtype=torch.bool)
+    need[:-1] = loss_mask[1:].bool()
+    return need
+
+
+def check_sample(sample_id: str, input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, hidden: int,
+                 seen_ids=None) -> None:
+    """The checks every engine's rows pass before they are written: the engine ran exactly these
+    tokens (seen_ids), one aux [3H] and one final [H] row per token, all finite."""
+    t = input_ids.numel()
+    if seen_ids is not None and torch.as_tensor(seen_ids).reshape(-1).tolist() != input_ids.tolist():
+        raise SampleMismatch(f"sample {sample_id!r}: the engine's token ids differ from the sample's")
+    if aux.shape != (t, 3 * hidden) or final.shape != (t, hidden):
+        raise SampleMismatch(f"sample {sample_id!r}: aux {tuple(aux.shape)} / final {tuple(final.shape)} rows "
+                             f"for T={t} tokens, H={hidden}")
+    if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+        raise SampleMismatch(f"sample {sample_id!r}: non-finite hidden states")
+
+
 class ShardWriter:
     """Buffers samples and commits them a shard at a time. Use as a context manager."""
 
-    def __init__(self, out_dir: Path, hidden_size: int, dtype: str = "bfloat16", shard_mb: int = 256):
+    def __init__(self, out_dir: Path, hidden_size: int, dtype: str = "bfloat16", shard_mb: int = 256,
+                 spans: str = "all"):
         if dtype not in STORAGE_DTYPES:
             raise ValueError(f"extract.dtype = {dtype!r}; use one of {sorted(STORAGE_DTYPES)}")
-        self.dir, self.hidden, self.dtype = Path(out_dir), hidden_size, STORAGE_DTYPES[dtype]
+        if spans not in SPANS:
+            raise ValueError(f"extract.spans = {spans!r}; use one of {list(SPANS)}")
+        self.dir, self.hidden, self.dtype, self.spans = Path(out_dir), hidden_size, STORAGE_DTYPES[dtype], spans
         self.shard_bytes = shard_mb * 2**20
         self.dir.mkdir(parents=True, exist_ok=True)
         repair_jsonl(self.dir / INDEX)
@@ -58,20 +95,27 @@ class ShardWriter:
         self._buf: list[tuple[str, dict[str, torch.Tensor]]] = []
         self._buf_bytes = 0
 
-    def add(self, sample_id: str, input_ids, loss_mask, aux: torch.Tensor, final: torch.Tensor) -> None:
+    def _encode(self, name: str, x: torch.Tensor, groups: int) -> dict[str, torch.Tensor]:
+        if self.dtype == FP8:
+            q, scale = quantize_rows(x.detach(), groups)  # on the engine's device, before the copy
+            return {name: q.cpu(), f"{name}_scale": (scale if groups > 1 else scale[:, 0]).cpu()}
+        return {name: x.detach().to("cpu", self.dtype)}
+
+    def add(self, sample_id: str, input_ids, loss_mask, aux: torch.Tensor, final: torch.Tensor,
+            seen_ids=None) -> None:
+        """Validate (check_sample) and buffer one sample; raises SampleMismatch and writes nothing if wrong."""
         input_ids = torch.as_tensor(input_ids, dtype=torch.int32).cpu()
         loss_mask = torch.as_tensor(loss_mask, dtype=torch.uint8).cpu()
-        t = input_ids.numel()
         if sample_id in self.done or any(s == sample_id for s, _ in self._buf):
             raise ValueError(f"sample {sample_id!r} written twice")
-        if loss_mask.shape != (t,) or aux.shape != (t, 3 * self.hidden) or final.shape != (t, self.hidden):
-            raise ValueError(f"sample {sample_id!r}: shapes input_ids {tuple(input_ids.shape)} loss_mask "
-                             f"{tuple(loss_mask.shape)} aux {tuple(aux.shape)} final {tuple(final.shape)} "
-                             f"do not match T={t}, H={self.hidden}")
-        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
-            raise ValueError(f"sample {sample_id!r}: non-finite hidden states")
+        if loss_mask.shape != input_ids.shape:
+            raise SampleMismatch(f"sample {sample_id!r}: loss_mask {tuple(loss_mask.shape)} for "
+                                 f"{input_ids.numel()} tokens")
+        check_sample(sample_id, input_ids, aux, final, self.hidden, seen_ids)
+        if self.spans == "loss":
+            final = final[teacher_positions(loss_mask).to(final.device)]
         tensors = {"input_ids": input_ids, "loss_mask": loss_mask,
-                   "aux": aux.detach().to("cpu", self.dtype), "final": final.detach().to("cpu", self.dtype)}
+                   **self._encode("aux", aux, 3), **self._encode("final", final, 1)}
         self._buf.append((sample_id, tensors))
         self._buf_bytes += sum(x.numel() * x.element_size() for x in tensors.values())
         if self._buf_bytes >= self.shard_bytes:
@@ -83,12 +127,14 @@ class ShardWriter:
         name = shard_name(self.next_shard)
         merged = {k: torch.cat([t[k] for _, t in self._buf]).contiguous() for k in self._buf[0][1]}
         atomic_write(self.dir / name, lambda p: save_file(merged, str(p)))
-        rows, offset = [], 0
+        rows, offset, final_offset = [], 0, 0
         for sid, t in self._buf:
-            n = t["input_ids"].numel()
-            rows.append({"id": sid, "shard": name, "offset": offset, "length": n,
-                         "sha256": ids_sha256(t["input_ids"])})
-            offset += n
+            n, m = t["input_ids"].numel(), t["final"].shape[0]
+            row = {"id": sid, "shard": name, "offset": offset, "length": n, "sha256": ids_sha256(t["input_ids"])}
+            if self.spans == "loss":
+                row.update(final_offset=final_offset, final_length=m)
+            rows.append(row)
+            offset, final_offset = offset + n, final_offset + m
         append_jsonl(self.dir / INDEX, rows)
         self.done.update(r["id"] for r in rows)
         self.next_shard += 1
@@ -103,7 +149,7 @@ class ShardWriter:
 
 
 class HiddenShards:
-    """Random access to extracted samples by id (memory-mapped slices, hash-checked)."""
+    """Random access to extracted samples by id (memory-mapped slices, hash-checked, fp8 dequantized)."""
 
     def __init__(self, in_dir: Path):
         self.dir = Path(in_dir)
@@ -111,7 +157,8 @@ class HiddenShards:
             raise FileNotFoundError(f"{self.dir / INDEX} missing: run `make extract` first")
         self.rows = {r["id"]: r for r in read_jsonl(self.dir / INDEX)}
         self.ids = sorted(self.rows)
-        self._files: dict[str, object] = {}
+        self.final_everywhere = not any("final_length" in r for r in self.rows.values())
+        self._files: dict[str, tuple[object, set[str]]] = {}
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -121,14 +168,41 @@ class HiddenShards:
 
     def _file(self, shard: str):
         if shard not in self._files:
-            self._files[shard] = safe_open(str(self.dir / shard), framework="pt")
+            f = safe_open(str(self.dir / shard), framework="pt")
+            self._files[shard] = (f, set(f.keys()))
         return self._files[shard]
+
+    def _rows(self, shard: str, name: str, lo: int, hi: int) -> torch.Tensor:
+        f, keys = self._file(shard)
+        x = f.get_slice(name)[lo:hi]
+        if f"{name}_scale" in keys:
+            scale = f.get_slice(f"{name}_scale")[lo:hi]
+            x = dequantize_rows(x, scale if scale.dim() == 2 else scale[:, None])
+        return x
 
     def load(self, sample_id: str, names=("input_ids", "loss_mask", "aux", "final")) -> dict[str, torch.Tensor]:
         r = self.rows[sample_id]
-        f = self._file(r["shard"])
         lo, hi = r["offset"], r["offset"] + r["length"]
-        out = {k: f.get_slice(k)[lo:hi] for k in names}
+        out = {}
+        for k in names:
+            if k == "final" and "final_length" in r:
+                out[k] = self._sparse_final(r)
+            elif k in ("aux", "final"):
+                out[k] = self._rows(r["shard"], k, lo, hi)
+            else:
+                out[k] = self._file(r["shard"])[0].get_slice(k)[lo:hi]
         if "input_ids" in out and ids_sha256(out["input_ids"]) != r["sha256"]:
-            raise ValueError(f"{self.dir / r['shard']}: sample {sample_id!r} input_ids hash mismatch (corrupt shard)")
+            raise ValueError(f"{self.dir / r['shard']}: sample {r['id']!r} input_ids hash mismatch (corrupt shard)")
         return out
+
+    def _sparse_final(self, r: dict) -> torch.Tensor:
+        """final stored on loss spans only -> [T, H] with zero rows where the loss never reads it."""
+        mask = self._file(r["shard"])[0].get_slice("loss_mask")[r["offset"]:r["offset"] + r["length"]]
+        need = teacher_positions(mask)
+        rows = self._rows(r["shard"], "final", r["final_offset"], r["final_offset"] + r["final_length"])
+        if int(need.sum()) != rows.shape[0]:
+            raise ValueError(f"{self.dir / r['shard']}: sample {r['id']!r} has {rows.shape[0]} final rows for "
+                             f"{int(need.sum())} loss positions (corrupt shard)")
+        full = rows.new_zeros(r["length"], rows.shape[1])
+        full[need] = rows
+        return full

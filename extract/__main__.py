@@ -1,10 +1,24 @@
-"""python -m extract --config configs/<name>.yaml [key=value ...]"""
+"""python -m extract --config configs/<name>.yaml [key=value ...]
+python -m extract stats [--config ... | --hidden DIR]   bytes/token of the shards, beside the alternatives"""
 
 import sys
+from pathlib import Path
 
 from core.cli import parse_stage_args, run_main
-from extract.run import main
+
+
+def stats(cfg, hidden: str | None) -> None:
+    from extract.shard_stats import format_stats, storage_stats
+
+    sys.stdout.write(format_stats(storage_stats(Path(hidden) if hidden else cfg.run_path / "hidden")) + "\n")
+
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["stats"]:
+        cfg, args = parse_stage_args("extract stats", __doc__, argv=sys.argv[2:], extend=lambda p: p.add_argument(
+            "--hidden", default=None, help="hidden shard dir (default <run>/hidden)"))
+        sys.exit(run_main("extract stats", stats, cfg, args.hidden))
+    from extract.run import main
+
     cfg, _ = parse_stage_args("extract", __doc__)
     sys.exit(run_main("extract", main, cfg))

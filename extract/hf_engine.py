@@ -25,8 +25,8 @@ def batches_by_tokens(lengths: list[int], batch_tokens: int) -> Iterator[list[in
 
 
 @torch.inference_mode()
-def extract_batch(model, seqs: list[list[int]], aux_layers: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Right-padded forward; returns per sample (aux [T,3H], final [T,H]) on the model's device."""
+def extract_batch(model, seqs: list[list[int]], aux_layers: list[int]) -> list[tuple[torch.Tensor, ...]]:
+    """Right-padded forward; per sample (ids the model ran [T], aux [T,3H], final [T,H]) on its device."""
     device = model.device
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
@@ -37,4 +37,4 @@ def extract_batch(model, seqs: list[list[int]], aux_layers: list[int]) -> list[t
     hs = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
     aux = torch.cat([hs[i] for i in aux_layers], dim=-1)
     final = hs[-1]
-    return [(aux[i, : len(s)], final[i, : len(s)]) for i, s in enumerate(seqs)]
+    return [(ids[i, : len(s)], aux[i, : len(s)], final[i, : len(s)]) for i, s in enumerate(seqs)]

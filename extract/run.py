@@ -37,13 +37,13 @@ def main(cfg: RunConfig) -> Path:
     info = target_info(cfg)
     aux_layers = resolve_aux_layers(ex.aux_layers, info.num_layers)
     compat = {"target": cfg.target.model, "hidden_size": info.hidden_size, "aux_layers": aux_layers,
-              "vocab_size": info.vocab_size, "dtype": ex.dtype}
+              "vocab_size": info.vocab_size, "dtype": ex.dtype, "spans": ex.spans}
     if (out / "manifest.json").exists():
         check_compat(read_manifest(out, "extract"), compat, out)
     write_manifest(out, "extract", cfg, compat, {"status": "in progress"})
 
     convs = read_conversations(conv_dir)
-    writer = ShardWriter(out, info.hidden_size, ex.dtype, ex.shard_mb)
+    writer = ShardWriter(out, info.hidden_size, ex.dtype, ex.shard_mb, ex.spans)
     todo = [i for i, sid in enumerate(convs["id"]) if sid not in writer.done]
     rows = convs.select(todo)
     log.info("%d conversations, %d already extracted, %d to do; aux layers %s",
@@ -74,8 +74,8 @@ def extract_hf(cfg: RunConfig, rows, lengths: list[int], aux_layers: list[int], 
         sel = rows.select(batch)
         with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             outs = extract_batch(model, sel["input_ids"], aux_layers)
-        for sid, ids, mask, (aux, final) in zip(sel["id"], sel["input_ids"], sel["loss_mask"], outs, strict=True):
-            writer.add(sid, ids, mask, aux, final)
+        for sid, ids, mask, (seen, aux, final) in zip(sel["id"], sel["input_ids"], sel["loss_mask"], outs, strict=True):
+            writer.add(sid, ids, mask, aux, final, seen_ids=seen.cpu())
         bar.update(sum(lengths[i] for i in batch))
 
 
@@ -86,9 +86,9 @@ def extract_sglang(cfg: RunConfig, rows, writer: ShardWriter, bar) -> dict:
     if n := client.clear_stale_dumps():
         log.info("removed %d dumps left by an interrupted run (their samples are redone)", n)
 
-    def on_result(sid, sample, aux, final):
+    def on_result(sid, sample, seen_ids, aux, final):
         ids, mask = sample
-        writer.add(sid, ids, mask, aux, final)
+        writer.add(sid, ids, mask, aux, final, seen_ids=seen_ids)
         bar.update(len(ids))
 
     samples = ((sid, ids, (ids, mask)) for sid, ids, mask in zip(rows["id"], rows["input_ids"], rows["loss_mask"],

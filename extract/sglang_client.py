@@ -21,13 +21,14 @@ from pathlib import Path
 import httpx
 from safetensors.torch import load_file
 
+from core.hidden_shards import SampleMismatch
 from extract.sglang_plugin import dump_path
 
 log = logging.getLogger("extract.sglang")
 RID_PREFIX = "eagle3-"
 
 
-class DumpMismatch(ValueError):
+class DumpMismatch(SampleMismatch):
     """The server's answer or dump does not belong to, or does not cover, the sample."""
 
 
@@ -45,15 +46,11 @@ def check_meta(meta: dict, rid: str, n_tokens: int) -> None:
                            "(launch with --disable-radix-cache)")
 
 
-def read_dump(path: Path, input_ids: list[int]):
-    """(aux, final) of a dump after checking its ids and row counts against the sample."""
+def read_dump(path: Path):
+    """(token ids, aux, final) of a plugin dump; the shard writer's check_sample then holds them
+    against the sample (same tokens, one row each), exactly as it does for the hf engine."""
     t = load_file(str(path))
-    if t["input_ids"].tolist() != list(input_ids):
-        raise DumpMismatch(f"{path.name}: token ids differ from the sample's")
-    n = len(input_ids)
-    if t["aux"].shape[0] != n or t["final"].shape[0] != n:
-        raise DumpMismatch(f"{path.name}: {t['aux'].shape[0]} aux / {t['final'].shape[0]} final rows for {n} tokens")
-    return t["aux"], t["final"]
+    return t["input_ids"], t["aux"], t["final"]
 
 
 class SGLangExtractor:
@@ -112,12 +109,13 @@ class SGLangExtractor:
                 raise DumpMismatch(f"no dump {path.name} within {self.dump_timeout:.0f} s of the response")
             await asyncio.sleep(0.01)
         try:
-            return read_dump(path, input_ids)
+            return read_dump(path)
         finally:
             path.unlink(missing_ok=True)
 
     async def run(self, samples, on_result) -> None:
-        """samples: iterable of (sample_id, input_ids, extra); on_result(sample_id, extra, aux, final)."""
+        """samples: iterable of (sample_id, input_ids, extra); on_result(sample_id, extra, seen_ids, aux, final)
+        validates and keeps a sample; a SampleMismatch from it (or from the checks here) is a counted failure."""
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         queue = iter(samples)
         async with httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout)) as client:
@@ -127,11 +125,9 @@ class SGLangExtractor:
                 for sample_id, input_ids, extra in queue:
                     await self._wait_for_budget()
                     try:
-                        aux, final = await self._one(client, sample_id, input_ids)
-                    except (DumpMismatch, httpx.HTTPError, KeyError, ValueError) as e:
+                        on_result(sample_id, extra, *await self._one(client, sample_id, input_ids))
+                    except (SampleMismatch, httpx.HTTPError, KeyError, ValueError) as e:
                         self.failures[type(e).__name__] += 1
                         log.error("sample %s not extracted: %s", sample_id, e)
-                        continue
-                    on_result(sample_id, extra, aux, final)
 
             await asyncio.gather(*(worker() for _ in range(self.max_inflight)))

@@ -7,7 +7,8 @@ the way SGLang's scheduler does: the prefill split into >= 3 chunks (middle chun
 inflight_middle_chunks > 0 and store=False), every chunk batched together with a decode row of
 another request and a row of a request that did not ask for hidden states. At start it runs a
 warmup and a HEALTH_CHECK_ generation (no hidden states) through the same path; GET /health answers. Rids in `cache_hit_rids` are answered once
-with cached_tokens > 0 and no dump, as a real prefix-cache hit computes no rows for them.
+with cached_tokens > 0 and no dump, as a real prefix-cache hit computes no rows for them; rids in
+`wrong_rows_rids` are answered once with the rows of other tokens (a dump matched to the wrong request).
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ class LogitsOut:  # LogitsProcessorOutput: aux rows and post-norm final rows of 
 
 
 class FakeSGLangServer:
-    def __init__(self, model, aux_layers: list[int], dump_dir, cache_hit_rids=(), chunks: int = 3,
-                 max_pending: int = 4):
+    def __init__(self, model, aux_layers: list[int], dump_dir, cache_hit_rids=(), wrong_rows_rids=(),
+                 chunks: int = 3, max_pending: int = 4):
         self.model, self.aux_layers, self.chunks = model, aux_layers, chunks
-        self.cache_hit_rids = set(cache_hit_rids)
+        self.cache_hit_rids, self.wrong_rows_rids = set(cache_hit_rids), set(wrong_rows_rids)
         self.state = plugin.DumpState(dump_dir, max_pending, lambda: True)
         self.scheduler = threading.Lock()  # SGLang runs one scheduler loop: batches never overlap
         self.request_times: list[float] = []
@@ -101,12 +102,15 @@ class FakeSGLangServer:
         if rid in self.cache_hit_rids:
             self.cache_hit_rids.discard(rid)
             return {"text": "", "meta_info": {**meta, "cached_tokens": min(3, len(ids))}}
+        if rid in self.wrong_rows_rids:
+            self.wrong_rows_rids.discard(rid)
+            ids = ids[1:] + ids[:1]
         with self.scheduler:
             self._prefill(Req(rid, ids, return_hidden_states=bool(body.get("return_hidden_states"))))
         return {"text": "", "meta_info": meta}
 
     def _prefill(self, req: Req) -> None:
-        (aux, final), = extract_batch(self.model, [req.origin_input_ids], self.aux_layers)
+        (_, aux, final), = extract_batch(self.model, [req.origin_input_ids], self.aux_layers)
         n = len(req.origin_input_ids)
         bounds = torch.linspace(0, n, self.chunks + 1).round().long().tolist() if n >= self.chunks else [0, n]
         for k in range(len(bounds) - 1):

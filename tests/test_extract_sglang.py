@@ -58,17 +58,19 @@ def assert_rows_equal_hf(run, reference):
         torch.testing.assert_close(a["final"], b["final"], rtol=1e-4, atol=1e-4)
 
 
-def test_rows_equal_hf_engine_and_a_cache_hit_is_reported_not_written(served, conversations):
+def test_rows_equal_hf_engine_and_mismatches_are_reported_not_written(served, conversations):
     run, model, aux = served
-    victim = "eagle3-" + HiddenShards(conversations / "hf/hidden").ids[5]
-    with FakeSGLangServer(model, aux, run / "dumps", cache_hit_rids=[victim]) as server:
+    ids = HiddenShards(conversations / "hf/hidden").ids
+    hit, wrong = "eagle3-" + ids[5], "eagle3-" + ids[9]
+    with FakeSGLangServer(model, aux, run / "dumps", cache_hit_rids=[hit], wrong_rows_rids=[wrong]) as server:
         proc = run_cli("extract", *sglang_flags(run, server.url), check=False)
         assert proc.returncode == 1
-        assert "cached_tokens = 3: prefix-cache hit" in proc.stderr and victim.removeprefix("eagle3-") in proc.stderr
-        assert proc.stderr.strip().splitlines()[-1].startswith("extract: error: 1 samples failed their checks")
-        assert len(HiddenShards(run / "hidden")) == 23  # everything else committed, the victim absent
-        run_cli("extract", *sglang_flags(run, server.url))  # the rerun fetches just the victim
-        assert len(server.request_times) == 24 + 1 and server.health_checks == 2  # one readiness check per run
+        assert "cached_tokens = 3: prefix-cache hit" in proc.stderr and ids[5] in proc.stderr
+        assert f"sample {ids[9]!r}: the engine's token ids differ from the sample's" in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith("extract: error: 2 samples failed their checks")
+        assert len(HiddenShards(run / "hidden")) == 22  # everything else committed, the victims absent
+        run_cli("extract", *sglang_flags(run, server.url))  # the rerun fetches just the victims
+        assert len(server.request_times) == 24 + 2 and server.health_checks == 2  # one readiness check per run
     assert_rows_equal_hf(run, conversations)
     assert list((run / "dumps").iterdir()) == []  # every dump consumed
 
@@ -127,3 +129,31 @@ def test_launcher_ids_make_sglang_capture_the_configured_layers(config, source):
     for flag in ("--enable-return-aux-hidden-states", "--speculative-algorithm EAGLE3", "--disable-radix-cache",
                  "--return-aux-hidden-state-layer-ids $LAYER_IDS", "EAGLE3_DUMP_DIR="):
         assert flag in script
+
+
+def test_fp8_loss_span_shards_through_the_double_train_and_stats(served, conversations):
+    """The same writer behind the sglang engine: fp8 rows within e4m3 precision of the hf engine's fp32
+    rows, final only on loss spans; train reads them; stats reports the bytes."""
+    run, model, aux = served
+    with FakeSGLangServer(model, aux, run / "dumps") as server:
+        run_cli("extract", *sglang_flags(run, server.url, "extract.dtype=fp8_e4m3", "extract.spans=loss"))
+    ours, ref = HiddenShards(run / "hidden"), HiddenShards(conversations / "hf/hidden")
+    assert sorted(ours.ids) == sorted(ref.ids)
+    for sid in ref.ids:
+        a, b = ours.load(sid), ref.load(sid)
+        need = torch.zeros_like(b["loss_mask"], dtype=torch.bool)
+        need[:-1] = b["loss_mask"][1:].bool()
+        for got, want in ((a["aux"], b["aux"]), (a["final"][need], b["final"][need])):
+            assert ((got - want).abs() <= 2**-4 * want.abs() + 1e-3 * want.abs().amax()).all()
+        assert not a["final"][~need].any()
+    flags = ["--config", TINY, "--run-dir", str(run), "train.epochs=1", "train.wandb_mode=disabled"]
+    bad = run_cli("train", *flags, "train.loss_on_prompt=true", check=False)
+    assert bad.returncode == 1 and "extract.spans=loss" in bad.stderr.strip().splitlines()[-1]
+    run_cli("train", *flags)
+    assert (run / "drafter/model.safetensors").is_file()
+    out = run_cli("extract", "stats", "--config", TINY, "--run-dir", str(run)).stdout
+    files = sum(p.stat().st_size for p in (run / "hidden").glob("shard-*.safetensors"))
+    assert f"bytes/token    {files / ours.num_tokens():,.1f} = aux " in out
+    h = target_info(load_config(ROOT / TINY)).hidden_size
+    ratio = float(out.split(f"(8H+5  = {8 * h + 5:,} B/token): ")[1].split("x")[0])
+    assert 0.3 < ratio <= 0.55 and "at Kimi-K2.5 (H=7168)" in out

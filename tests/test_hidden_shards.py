@@ -65,7 +65,7 @@ def test_resume_after_crash_loses_and_duplicates_nothing(tmp_path):
 def test_bad_samples_are_rejected(tmp_path):
     w = ShardWriter(tmp_path, H, "float32")
     ids, mask, aux, final = sample(0, 6)
-    with pytest.raises(ValueError, match="do not match T=6"):
+    with pytest.raises(ValueError, match=r"aux \(6, 8\) / final \(6, 8\) rows for T=6 tokens, H=8"):
         w.add("x", ids, mask, aux[:, :H], final)
     with pytest.raises(ValueError, match="non-finite"):
         w.add("x", ids, mask, aux * float("nan"), final)
@@ -81,3 +81,64 @@ def test_corrupt_shard_is_detected(tmp_path):
     index.write_text(index.read_text().replace('"sha256": "', '"sha256": "0'))
     with pytest.raises(ValueError, match="hash mismatch"):
         HiddenShards(tmp_path).load("a")
+
+
+def test_fp8_rows_keep_each_layer_to_e4m3_precision(tmp_path):
+    """One scale per token and layer: a layer 1000x smaller than its neighbour keeps its precision."""
+    ids, mask, aux, final = sample(3, 40)
+    aux = aux * torch.tensor([1.0, 1e-3, 1e3]).repeat_interleave(H)  # layers of very different scale
+    with ShardWriter(tmp_path, H, "fp8_e4m3") as w:
+        w.add("a", ids, mask, aux, final)
+    got = HiddenShards(tmp_path).load("a")
+    assert got["aux"].dtype == torch.float32 and torch.equal(got["input_ids"], ids.int())
+    for want, have, groups in ((aux, got["aux"], 3), (final, got["final"], 1)):
+        w_, h_ = want.reshape(40, groups, -1), have.reshape(40, groups, -1)
+        step = w_.abs().amax(-1, keepdim=True) / 448 * 2**-6  # e4m3's smallest normal, in group units
+        assert ((h_ - w_).abs() <= 2**-4 * w_.abs() + step).all()
+        assert ((h_ - w_).abs() / w_.abs().amax(-1, keepdim=True)).max() > 0  # it really was quantized
+
+
+def test_fp8_bytes_per_token_about_half_of_bf16(tmp_path):
+    h = 576  # SmolLM2's hidden size
+    sizes = {}
+    for dtype in ("bfloat16", "fp8_e4m3"):
+        with ShardWriter(tmp_path / dtype, h, dtype) as w:
+            for i in range(4):
+                g = torch.Generator().manual_seed(i)
+                w.add(f"s{i}", torch.arange(64), torch.ones(64), torch.randn(64, 3 * h, generator=g),
+                      torch.randn(64, h, generator=g))
+        sizes[dtype] = sum(p.stat().st_size for p in (tmp_path / dtype).glob("shard-*"))
+    assert sizes["fp8_e4m3"] <= 0.55 * sizes["bfloat16"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "fp8_e4m3"])
+def test_loss_spans_keep_final_only_where_the_loss_reads_it(tmp_path, dtype):
+    samples = {f"s{i}": sample(i, 9 + i) for i in range(4)}
+    with ShardWriter(tmp_path / "all", H, dtype, shard_mb=0) as w_all, \
+            ShardWriter(tmp_path / "loss", H, dtype, shard_mb=0, spans="loss") as w_loss:
+        for sid, s in samples.items():
+            w_all.add(sid, *s)
+            w_loss.add(sid, *s)
+    full, sparse = HiddenShards(tmp_path / "all"), HiddenShards(tmp_path / "loss")
+    assert full.final_everywhere and not sparse.final_everywhere
+    for sid, (_, mask, _, _) in samples.items():
+        a, b = full.load(sid), sparse.load(sid)
+        need = torch.zeros(len(mask), dtype=torch.bool)
+        need[:-1] = mask[1:].bool()
+        assert torch.equal(a["aux"], b["aux"]) and torch.equal(a["final"][need], b["final"][need])
+        assert not b["final"][~need].any() and b["final"][need].abs().sum() > 0
+    size = {k: sum(p.stat().st_size for p in (tmp_path / k).glob("shard-*")) for k in ("all", "loss")}
+    assert size["loss"] < size["all"]
+    index = tmp_path / "loss" / INDEX  # a final_length that disagrees with the mask is corruption
+    index.write_text(index.read_text().replace('"final_length": 5', '"final_length": 4', 1))
+    with pytest.raises(ValueError, match="final rows for 5 loss positions"):
+        HiddenShards(tmp_path / "loss").load("s0")
+
+
+def test_engine_rows_of_other_tokens_are_rejected(tmp_path):
+    w = ShardWriter(tmp_path, H, "float32")
+    ids, mask, aux, final = sample(0, 6)
+    with pytest.raises(ValueError, match="token ids differ"):
+        w.add("x", ids, mask, aux, final, seen_ids=ids.roll(1))
+    w.add("x", ids, mask, aux, final, seen_ids=ids.clone())
+    assert not w.done and len(w._buf) == 1

@@ -133,6 +133,9 @@ def main(cfg: RunConfig) -> Path:
     train_dir.mkdir(parents=True, exist_ok=True)
 
     shards = HiddenShards(hidden_dir)
+    if tc.loss_on_prompt and not shards.final_everywhere:
+        raise ValueError(f"train.loss_on_prompt needs final rows on every token, but {hidden_dir} was extracted "
+                         "with extract.spans=loss: re-extract with extract.spans=all or set train.loss_on_prompt=false")
     target = load_target_embeddings(cfg)
     draft_ids, t2d, coverage = build_draft_vocab(token_counts(shards, target.embed.shape[0]), tc.draft_vocab_size)
     log.info("%d samples / %d tokens; draft vocab %d covers %.2f%% of assistant tokens; precision %s on %s",
