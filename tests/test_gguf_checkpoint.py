@@ -1,0 +1,104 @@
+"""core.gguf_checkpoint writes what transformers' own GGUF loading + save_pretrained writes for the
+embedded SmolLM2 GGUF: the same tensors bit for bit, config, generation config, tokenizer and logits."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core.gguf_checkpoint import convert_gguf_to_hf
+from core.target import embedded_gguf_path
+
+pytestmark = pytest.mark.slow
+
+CONFIG_FIELDS = ["model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "rope_parameters", "rms_norm_eps",
+                 "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+                 "max_position_embeddings"]
+TEXTS = ["Hello world", " leading space", "trailing space ", "Ünïcödé naïve café 日本語 中文 한국어",
+         "emoji 🦙🚀👍🏽 and a family 👨‍👩‍👧", "def f(x):\n    return x ** 2  # square\n", "tabs\tand\t\ttabs",
+         "many     spaces   and\n\n\nnewlines", "numbers 0 7 42 3.14159 -1e10 1,000,000 2024-06-01",
+         "<|im_start|>user\nhi<|im_end|>\n", "<|endoftext|><repo_name>x<file_sep>", "<|im_start|",
+         "URL https://example.com/a?b=c&d=e", "JSON {\"k\": [1, 2, null]}", "Ελληνικά и русский",
+         "   ", "", "a" * 300, "don't won't it's we're", "\u200b zero-width\u00a0nbsp"]
+CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3+3? 🤔"}]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """(dir written by transformers' GGUF path, dir written by convert_gguf_to_hf)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = embedded_gguf_path()
+    ref, new = tmp_path_factory.mktemp("transformers_gguf"), tmp_path_factory.mktemp("gguf_checkpoint")
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(ref)
+    AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                         quantization_config=GgufConfig(dequantize=True)).save_pretrained(ref)
+    convert_gguf_to_hf(gguf, new)
+    return ref, new
+
+
+@pytest.fixture(scope="module")
+def tokenizers(dirs):
+    from transformers import AutoTokenizer
+
+    return tuple(AutoTokenizer.from_pretrained(d) for d in dirs)
+
+
+def test_every_tensor_is_bit_identical(dirs):
+    ref, new = (load_file(d / "model.safetensors") for d in dirs)
+    assert sorted(new) == sorted(ref) and "lm_head.weight" not in new  # tied, as the GGUF has no output.weight
+    for name, tensor in ref.items():
+        assert new[name].dtype == torch.float32 and torch.equal(new[name], tensor), name
+
+
+def test_config_and_generation_config_match(dirs):
+    from transformers import AutoConfig
+
+    ref, new = (AutoConfig.from_pretrained(d) for d in dirs)
+    for field in CONFIG_FIELDS:
+        assert getattr(new, field) == getattr(ref, field), field
+    for name in ("config.json", "generation_config.json"):  # and nothing else differs either
+        assert json.loads((dirs[1] / name).read_text()) == json.loads((dirs[0] / name).read_text()), name
+
+
+def test_tokenizer_files_match(dirs):
+    ref, new = dirs
+    assert json.loads((new / "tokenizer.json").read_text()) == json.loads((ref / "tokenizer.json").read_text())
+    assert (new / "chat_template.jinja").read_text() == (ref / "chat_template.jinja").read_text()
+    # transformers also records how it was loaded (is_local, local_files_only); nothing else may differ
+    loaded_from = {"is_local", "local_files_only"}
+    ref_cfg, new_cfg = (json.loads((d / "tokenizer_config.json").read_text()) for d in dirs)
+    assert new_cfg == {k: v for k, v in ref_cfg.items() if k not in loaded_from}
+
+
+def test_tokenizers_agree(tokenizers):
+    ref, new = tokenizers
+    assert (type(new), len(new), new.get_vocab()) == (type(ref), len(ref), ref.get_vocab())
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token", "bos_token_id", "eos_token_id",
+                 "pad_token_id", "unk_token_id", "all_special_tokens", "chat_template"):
+        assert getattr(new, attr) == getattr(ref, attr), attr
+    assert {i: str(t) for i, t in new.added_tokens_decoder.items()} == \
+        {i: str(t) for i, t in ref.added_tokens_decoder.items()}
+    for text in TEXTS:
+        ids = ref(text)["input_ids"]
+        assert new(text)["input_ids"] == ids, text
+        assert new.decode(ids) == ref.decode(ids) and new.decode(ids, skip_special_tokens=True) == \
+            ref.decode(ids, skip_special_tokens=True), text
+    for tokenize in (False, True):
+        expected = ref.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=tokenize)
+        assert new.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=tokenize) == expected
+
+
+def test_logits_are_identical(dirs, tokenizers):
+    from transformers import AutoModelForCausalLM
+
+    ids = tokenizers[0]("The capital of France is", return_tensors="pt")["input_ids"]
+    logits = []
+    for d in dirs:
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.equal(logits[1], logits[0])
