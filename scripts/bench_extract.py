@@ -14,6 +14,7 @@ measured in the same run; the disk figure is shard bytes committed per second.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from core.aux_layers import resolve_aux_layers  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.hidden_shards import ShardWriter  # noqa: E402
 from core.target import load_target, resolve_precision  # noqa: E402
+from extract.hf_engine import batches_by_tokens, extract_batch  # noqa: E402
 from extract.run import extract_hf  # noqa: E402
 from scripts.benchmark import matmul_peak, sync  # noqa: E402
 
@@ -53,6 +55,33 @@ def synthetic_rows(n_tokens: int, seq: int, vocab: int, seed: int = 0):
         masks.append([0] * (t // 3) + [1] * (t - t // 3))
         total += t
     return Dataset.from_dict({"id": [f"s{i}" for i in range(len(ids))], "input_ids": ids, "loss_mask": masks})
+
+
+def forward_only_s(model, rows, aux_layers: list[int], batch_tokens: int, precision: str) -> float:
+    """The same batches through extract_batch with nothing copied or written: the compute share."""
+    lengths = [len(x) for x in rows["input_ids"]]
+    sync(model.device)
+    start = time.perf_counter()
+    for batch in batches_by_tokens(lengths, batch_tokens):
+        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            extract_batch(model, rows.select(batch)["input_ids"], aux_layers)
+    sync(model.device)
+    return time.perf_counter() - start
+
+
+def disk_write_gbps(root: Path, n_bytes: int = 2**30) -> float:
+    """Sequential write + fsync of n_bytes to the shard disk: the bound for any writer."""
+    block = os.urandom(64 * 2**20)
+    path = root / "disk_probe.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(n_bytes // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return n_bytes / elapsed / 1e9
 
 
 def main() -> None:
@@ -102,6 +131,8 @@ def main() -> None:
         elapsed = time.perf_counter() - start
     written = sum(f.stat().st_size for f in (root / "timed").glob("shard-*.safetensors"))
     tps = sum(lengths) / elapsed
+    t_fwd = forward_only_s(model, rows, aux_layers, args.batch_tokens, precision)
+    disk = disk_write_gbps(root)
     print(f"{name} on {model.device} ({args.dtype}, aux layers {aux_layers}), {len(lengths)} samples / "
           f"{sum(lengths):,} tokens of {args.seq // 2}-{args.seq}, batch_tokens {args.batch_tokens}, "
           f"{args.storage} shards:")
@@ -109,6 +140,10 @@ def main() -> None:
           f"({sum(lengths) / (flops / peak):,.0f} tok/s at the measured peak {peak / 1e12:.1f} TFLOP/s); "
           f"shards {written / sum(lengths) / 1e3:.1f} KB/token, {written / elapsed / 1e9:.2f} GB/s committed "
           f"to {root}")
+    print(f"  forward alone {sum(lengths) / t_fwd:,.0f} tok/s ({flops / t_fwd / peak:.1%} of the FLOP bound); "
+          f"disk {disk:.2f} GB/s with fsync = {disk * 1e9 / (written / sum(lengths)):,.0f} tok/s of these shards; "
+          f"extract reaches {tps / min(sum(lengths) / t_fwd, disk * 1e9 * sum(lengths) / written):.0%} of "
+          "min(forward alone, disk)")
     if args.out is None:
         shutil.rmtree(root, ignore_errors=True)
 
