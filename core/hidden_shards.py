@@ -12,20 +12,23 @@ The reader hides both: it returns aux [T, 3H] and final [T, H] (zeros where fina
 
 A shard is committed (temp + fsync + rename) before its samples enter the index, so after a kill
 the index names only whole shards; a committed shard missing from the index is an orphan that the
-next writer overwrites, and its samples are simply extracted again.
+next writer overwrites, and its samples are simply extracted again. Commits run on one background
+thread, so the engine's next forward overlaps the last shard's write (one shard in flight at most).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
+import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from core.atomic_io import append_jsonl, atomic_write, read_jsonl, repair_jsonl
 from core.fp8_rows import FP8, dequantize_rows, quantize_rows
@@ -36,6 +39,8 @@ INDEX = "index.jsonl"
 _SHARD_RE = re.compile(r"shard-(\d{5})\.safetensors$")
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": FP8}
 SPANS = ("all", "loss")
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", FP8: "F8_E4M3", torch.int32: "I32",
+                       torch.uint8: "U8"}
 
 
 class SampleMismatch(ValueError):
@@ -48,6 +53,23 @@ def ids_sha256(input_ids: torch.Tensor) -> str:
 
 def shard_name(n: int) -> str:
     return f"shard-{n:05d}.safetensors"
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """The safetensors layout (u64 header length, JSON header padded to 8 bytes, raw little-endian
+    data) written straight from CPU tensor memory: no serialised copy of a 256 MB shard, and the GIL
+    is released while the bytes go to disk, so a commit overlaps the engine's next forward."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for t in tensors.values():
+            f.write(t.contiguous().view(torch.uint8).numpy().data)
 
 
 def teacher_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -72,7 +94,8 @@ def check_sample(sample_id: str, input_ids: torch.Tensor, aux: torch.Tensor, fin
 
 
 class ShardWriter:
-    """Buffers samples and commits them a shard at a time. Use as a context manager."""
+    """Buffers samples and commits them a shard at a time on a background thread (memory: the shard
+    being filled plus at most one in flight). Use as a context manager; flush() waits for the disk."""
 
     def __init__(self, out_dir: Path, hidden_size: int, dtype: str = "bfloat16", shard_mb: int = 256,
                  spans: str = "all"):
@@ -94,6 +117,9 @@ class ShardWriter:
                 orphan.unlink()
         self._buf: list[tuple[str, dict[str, torch.Tensor]]] = []
         self._buf_bytes = 0
+        self._queued: set[str] = set()  # buffered or in flight
+        self._commits = ThreadPoolExecutor(1, thread_name_prefix="shard-commit")
+        self._in_flight: Future | None = None
 
     def _encode(self, name: str, x: torch.Tensor, groups: int) -> dict[str, torch.Tensor]:
         if self.dtype == FP8:
@@ -106,7 +132,7 @@ class ShardWriter:
         """Validate (check_sample) and buffer one sample; raises SampleMismatch and writes nothing if wrong."""
         input_ids = torch.as_tensor(input_ids, dtype=torch.int32).cpu()
         loss_mask = torch.as_tensor(loss_mask, dtype=torch.uint8).cpu()
-        if sample_id in self.done or any(s == sample_id for s, _ in self._buf):
+        if sample_id in self.done or sample_id in self._queued:
             raise ValueError(f"sample {sample_id!r} written twice")
         if loss_mask.shape != input_ids.shape:
             raise SampleMismatch(f"sample {sample_id!r}: loss_mask {tuple(loss_mask.shape)} for "
@@ -117,18 +143,36 @@ class ShardWriter:
         tensors = {"input_ids": input_ids, "loss_mask": loss_mask,
                    **self._encode("aux", aux, 3), **self._encode("final", final, 1)}
         self._buf.append((sample_id, tensors))
+        self._queued.add(sample_id)
         self._buf_bytes += sum(x.numel() * x.element_size() for x in tensors.values())
         if self._buf_bytes >= self.shard_bytes:
-            self.flush()
+            self._submit()
+
+    def _submit(self) -> None:
+        """Hand the buffer to the commit thread, after the shard in flight has landed."""
+        self._wait()
+        if self._buf:
+            name, buf = shard_name(self.next_shard), self._buf
+            self.next_shard += 1
+            self._buf, self._buf_bytes = [], 0
+            self._in_flight = self._commits.submit(self._commit, name, buf)
+
+    def _wait(self) -> None:
+        """Block until the shard in flight is committed and indexed; raise its error here."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            in_flight.result()
 
     def flush(self) -> None:
-        if not self._buf:
-            return
-        name = shard_name(self.next_shard)
-        merged = {k: torch.cat([t[k] for _, t in self._buf]).contiguous() for k in self._buf[0][1]}
-        atomic_write(self.dir / name, lambda p: save_file(merged, str(p)))
+        """Commit everything buffered; on return it is on disk and in the index."""
+        self._submit()
+        self._wait()
+
+    def _commit(self, name: str, buf: list[tuple[str, dict[str, torch.Tensor]]]) -> None:
+        merged = {k: torch.cat([t[k] for _, t in buf]) for k in buf[0][1]}
+        atomic_write(self.dir / name, lambda p: write_safetensors(p, merged))
         rows, offset, final_offset = [], 0, 0
-        for sid, t in self._buf:
+        for sid, t in buf:
             n, m = t["input_ids"].numel(), t["final"].shape[0]
             row = {"id": sid, "shard": name, "offset": offset, "length": n, "sha256": ids_sha256(t["input_ids"])}
             if self.spans == "loss":
@@ -137,15 +181,17 @@ class ShardWriter:
             offset, final_offset = offset + n, final_offset + m
         append_jsonl(self.dir / INDEX, rows)
         self.done.update(r["id"] for r in rows)
-        self.next_shard += 1
-        self._buf, self._buf_bytes = [], 0
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, *_):
-        if exc_type is None:
-            self.flush()
+        try:
+            if exc_type is None:
+                self._submit()
+            self._wait()  # a shard in flight is whole: let it land even when the run failed
+        finally:
+            self._commits.shutdown()
 
 
 class HiddenShards:

@@ -142,3 +142,19 @@ def test_engine_rows_of_other_tokens_are_rejected(tmp_path):
         w.add("x", ids, mask, aux, final, seen_ids=ids.roll(1))
     w.add("x", ids, mask, aux, final, seen_ids=ids.clone())
     assert not w.done and len(w._buf) == 1
+
+
+def test_write_safetensors_is_read_by_safetensors_itself(tmp_path):
+    from safetensors.torch import load_file
+
+    from core.fp8_rows import FP8
+    from core.hidden_shards import write_safetensors
+
+    tensors = {"aux": torch.randn(5, 6).bfloat16(), "f32": torch.randn(3), "q": torch.randn(4, 2).to(FP8),
+               "ids": torch.arange(7, dtype=torch.int32), "mask": torch.tensor([1, 0, 1], dtype=torch.uint8),
+               "empty": torch.zeros(0, 4)}
+    write_safetensors(tmp_path / "x.safetensors", tensors)
+    got = load_file(tmp_path / "x.safetensors")
+    assert got.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
