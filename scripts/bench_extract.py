@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=262144, help="tokens extracted in the timed run")
     p.add_argument("--seq", type=int, default=2048, help="longest sample")
     p.add_argument("--batch-tokens", type=int, default=32768)
+    p.add_argument("--shard-mb", type=int, default=256, help="shard size (extract.shard_mb)")
     p.add_argument("--storage", default="bfloat16", help="shard dtype: bfloat16 | fp8_e4m3 | float32")
     p.add_argument("--out", default=None, help="shard dir on the disk to measure (default: a temp dir)")
     args = p.parse_args()
@@ -125,7 +126,7 @@ def main() -> None:
         n = [len(x) for x in data["input_ids"]]
         sync(model.device)
         start = time.perf_counter()
-        with ShardWriter(root / tag, c.hidden_size, args.storage, shard_mb=256) as writer:
+        with ShardWriter(root / tag, c.hidden_size, args.storage, shard_mb=args.shard_mb) as writer:
             extract_hf(model, data, n, aux_layers, writer, Bar(), args.batch_tokens, precision)
         sync(model.device)
         elapsed = time.perf_counter() - start
@@ -135,7 +136,7 @@ def main() -> None:
     disk = disk_write_gbps(root)
     print(f"{name} on {model.device} ({args.dtype}, aux layers {aux_layers}), {len(lengths)} samples / "
           f"{sum(lengths):,} tokens of {args.seq // 2}-{args.seq}, batch_tokens {args.batch_tokens}, "
-          f"{args.storage} shards:")
+          f"{args.storage} shards of {args.shard_mb} MB:")
     print(f"extract: {tps:,.0f} tok/s = {flops / elapsed / peak:.1%} of the FLOP bound "
           f"({sum(lengths) / (flops / peak):,.0f} tok/s at the measured peak {peak / 1e12:.1f} TFLOP/s); "
           f"shards {written / sum(lengths) / 1e3:.1f} KB/token, {written / elapsed / 1e9:.2f} GB/s committed "
