@@ -1,7 +1,7 @@
 """Extract hidden states for every conversation, resumably.
 
     python -m extract --config configs/smollm2-135m-instruct.yaml                       # in-process (hf)
-    python -m extract --config ... extract.engine=sglang extract.server_url=http://127.0.0.1:30000
+    python -m extract --config ... --engine sglang --server http://127.0.0.1:30000   # extract.engine, server_url
 
 Reads <run>/conversations, writes <run>/hidden (core/hidden_shards.py) + manifest.json.
 A rerun skips ids already in the shard index; a kill -9 loses at most the uncommitted shard.

@@ -78,8 +78,8 @@ def test_rows_equal_hf_engine_and_mismatches_are_reported_not_written(served, co
 def test_kill9_client_then_rerun(served, conversations):
     run, model, aux = served
     with FakeSGLangServer(model, aux, run / "dumps") as server:
-        args = [sys.executable, "-m", "extract", *sglang_flags(run, server.url, "extract.shard_mb=0",
-                                                                "extract.max_inflight=1")]
+        args = [sys.executable, "-m", "extract", "--engine", "sglang", "--server", server.url,  # the CLI flags
+                *sglang_flags(run, "unused", "extract.engine=hf", "extract.shard_mb=0", "extract.max_inflight=1")]
         proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         index = run / "hidden/index.jsonl"
         deadline = time.time() + 120
