@@ -12,8 +12,8 @@ The reader hides both: it returns aux [T, 3H] and final [T, H] (zeros where fina
 
 A shard is committed (temp + fsync + rename) before its samples enter the index, so after a kill
 the index names only whole shards; a committed shard missing from the index is an orphan that the
-next writer overwrites, and its samples are simply extracted again. Commits run on one background
-thread, so the engine's next forward overlaps the last shard's write (one shard in flight at most).
+next writer overwrites, and its samples are simply extracted again. Commits run on background
+threads (two shards in flight at most), so the engine's next forwards overlap the writes.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import json
 import logging
 import re
 import struct
+import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -55,21 +57,24 @@ def shard_name(n: int) -> str:
     return f"shard-{n:05d}.safetensors"
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]]) -> None:
     """The safetensors layout (u64 header length, JSON header padded to 8 bytes, raw little-endian
-    data) written straight from CPU tensor memory: no serialised copy of a 256 MB shard, and the GIL
-    is released while the bytes go to disk, so a commit overlaps the engine's next forward."""
+    data), each tensor the dim-0 concatenation of its CPU chunks, written straight from their memory:
+    no concatenated or serialised copy of a 256 MB shard, and the GIL is released while the bytes go
+    to disk, so commits overlap the engine's forwards."""
     header, offset = {}, 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+    for name, chunks in tensors.items():
+        n = sum(c.numel() * c.element_size() for c in chunks)
+        shape = [sum(c.shape[0] for c in chunks), *chunks[0].shape[1:]]
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[chunks[0].dtype], "shape": shape, "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
-        for t in tensors.values():
-            f.write(t.contiguous().view(torch.uint8).numpy().data)
+        for chunks in tensors.values():
+            for c in chunks:
+                f.write(c.contiguous().view(torch.uint8).numpy().data)
 
 
 def teacher_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -94,8 +99,10 @@ def check_sample(sample_id: str, input_ids: torch.Tensor, aux: torch.Tensor, fin
 
 
 class ShardWriter:
-    """Buffers samples and commits them a shard at a time on a background thread (memory: the shard
-    being filled plus at most one in flight). Use as a context manager; flush() waits for the disk."""
+    """Buffers samples and commits them a shard at a time on background threads (memory: the shard
+    being filled plus at most two in flight). Use as a context manager; flush() waits for the disk."""
+
+    MAX_IN_FLIGHT = 2
 
     def __init__(self, out_dir: Path, hidden_size: int, dtype: str = "bfloat16", shard_mb: int = 256,
                  spans: str = "all"):
@@ -115,17 +122,32 @@ class ShardWriter:
             if orphan.name not in indexed:
                 log.info("removing %s: committed but not indexed before a crash; its samples re-run", orphan)
                 orphan.unlink()
+        for partial in self.dir.glob(".shard-*.safetensors.tmp*"):  # a commit cut short by a kill
+            partial.unlink()
         self._buf: list[tuple[str, dict[str, torch.Tensor]]] = []
         self._buf_bytes = 0
         self._queued: set[str] = set()  # buffered or in flight
-        self._commits = ThreadPoolExecutor(1, thread_name_prefix="shard-commit")
-        self._in_flight: Future | None = None
+        self._commits = ThreadPoolExecutor(self.MAX_IN_FLIGHT, thread_name_prefix="shard-commit")
+        self._in_flight: deque[Future] = deque()
+        self._index_lock = threading.Lock()
+        self._copies_done: torch.cuda.Event | None = None  # the last device-to-host copy queued
+
+    def _to_host(self, x: torch.Tensor) -> torch.Tensor:
+        """GPU rows go to pinned host memory without blocking (the copy engine runs while the next
+        sample is checked); _submit waits for the copies before the commit thread reads them."""
+        if x.device.type != "cuda":
+            return x.cpu()
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        self._copies_done = torch.cuda.Event()
+        self._copies_done.record()
+        return host
 
     def _encode(self, name: str, x: torch.Tensor, groups: int) -> dict[str, torch.Tensor]:
         if self.dtype == FP8:
             q, scale = quantize_rows(x.detach(), groups)  # on the engine's device, before the copy
-            return {name: q.cpu(), f"{name}_scale": (scale if groups > 1 else scale[:, 0]).cpu()}
-        return {name: x.detach().to("cpu", self.dtype)}
+            return {name: self._to_host(q), f"{name}_scale": self._to_host(scale if groups > 1 else scale[:, 0])}
+        return {name: self._to_host(x.detach().to(self.dtype))}
 
     def add(self, sample_id: str, input_ids, loss_mask, aux: torch.Tensor, final: torch.Tensor,
             seen_ids=None) -> None:
@@ -149,19 +171,22 @@ class ShardWriter:
             self._submit()
 
     def _submit(self) -> None:
-        """Hand the buffer to the commit thread, after the shard in flight has landed."""
-        self._wait()
+        """Hand the buffer to a commit thread, once fewer than MAX_IN_FLIGHT shards are in flight."""
+        while len(self._in_flight) >= self.MAX_IN_FLIGHT:
+            self._in_flight.popleft().result()
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+            self._copies_done = None
         if self._buf:
             name, buf = shard_name(self.next_shard), self._buf
             self.next_shard += 1
             self._buf, self._buf_bytes = [], 0
-            self._in_flight = self._commits.submit(self._commit, name, buf)
+            self._in_flight.append(self._commits.submit(self._commit, name, buf))
 
     def _wait(self) -> None:
-        """Block until the shard in flight is committed and indexed; raise its error here."""
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
-            in_flight.result()
+        """Block until every shard in flight is committed and indexed; raise the first error here."""
+        while self._in_flight:
+            self._in_flight.popleft().result()
 
     def flush(self) -> None:
         """Commit everything buffered; on return it is on disk and in the index."""
@@ -169,8 +194,8 @@ class ShardWriter:
         self._wait()
 
     def _commit(self, name: str, buf: list[tuple[str, dict[str, torch.Tensor]]]) -> None:
-        merged = {k: torch.cat([t[k] for _, t in buf]) for k in buf[0][1]}
-        atomic_write(self.dir / name, lambda p: write_safetensors(p, merged))
+        chunks = {k: [t[k] for _, t in buf] for k in buf[0][1]}
+        atomic_write(self.dir / name, lambda p: write_safetensors(p, chunks))
         rows, offset, final_offset = [], 0, 0
         for sid, t in buf:
             n, m = t["input_ids"].numel(), t["final"].shape[0]
@@ -179,8 +204,9 @@ class ShardWriter:
                 row.update(final_offset=final_offset, final_length=m)
             rows.append(row)
             offset, final_offset = offset + n, final_offset + m
-        append_jsonl(self.dir / INDEX, rows)
-        self.done.update(r["id"] for r in rows)
+        with self._index_lock:  # two commit threads; each shard's lines land whole
+            append_jsonl(self.dir / INDEX, rows)
+            self.done.update(r["id"] for r in rows)
 
     def __enter__(self):
         return self
@@ -189,7 +215,7 @@ class ShardWriter:
         try:
             if exc_type is None:
                 self._submit()
-            self._wait()  # a shard in flight is whole: let it land even when the run failed
+            self._wait()  # shards in flight are whole: let them land even when the run failed
         finally:
             self._commits.shutdown()
 

@@ -26,15 +26,15 @@ def batches_by_tokens(lengths: list[int], batch_tokens: int) -> Iterator[list[in
 
 @torch.inference_mode()
 def extract_batch(model, seqs: list[list[int]], aux_layers: list[int]) -> list[tuple[torch.Tensor, ...]]:
-    """Right-padded forward; per sample (ids the model ran [T], aux [T,3H], final [T,H]) on its device."""
-    device = model.device
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
+    """Right-padded forward; per sample (the ids the model ran [T], on the CPU; aux [T,3H] and
+    final [T,H] on the model's device). The batch is built on the CPU and sent in one copy."""
+    lengths = torch.tensor([len(s) for s in seqs])
+    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, device=device)
-        mask[i, : len(s)] = 1
-    hs = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        ids[i, : len(s)] = torch.as_tensor(s)
+    mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
+    hs = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                     output_hidden_states=True).hidden_states
     aux = torch.cat([hs[i] for i in aux_layers], dim=-1)
     final = hs[-1]
     return [(ids[i, : len(s)], aux[i, : len(s)], final[i, : len(s)]) for i, s in enumerate(seqs)]

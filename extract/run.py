@@ -77,7 +77,7 @@ def extract_hf(model, rows, lengths: list[int], aux_layers: list[int], writer: S
         with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             outs = extract_batch(model, sel["input_ids"], aux_layers)
         for sid, ids, mask, (seen, aux, final) in zip(sel["id"], sel["input_ids"], sel["loss_mask"], outs, strict=True):
-            writer.add(sid, ids, mask, aux, final, seen_ids=seen.cpu())
+            writer.add(sid, ids, mask, aux, final, seen_ids=seen)
         bar.update(sum(lengths[i] for i in batch))
 
 

@@ -50,7 +50,9 @@ def test_resume_after_crash_loses_and_duplicates_nothing(tmp_path):
     index = tmp_path / INDEX
     lines = index.read_text().splitlines(keepends=True)
     index.write_text("".join(lines[:2]) + lines[2][:20])  # s2's line torn mid-write
+    (tmp_path / f".{shard_name(3)}.tmp123").write_bytes(b"half a shard")  # crash 3: killed mid-write
     w3 = ShardWriter(tmp_path, H, "float32", shard_mb=0)
+    assert not list(tmp_path.glob(".shard-*"))
     assert w3.done == {"s0", "s1"}
     assert not (tmp_path / shard_name(2)).exists()  # orphan of the torn line removed
     for i in (2, 3):
@@ -153,7 +155,7 @@ def test_write_safetensors_is_read_by_safetensors_itself(tmp_path):
     tensors = {"aux": torch.randn(5, 6).bfloat16(), "f32": torch.randn(3), "q": torch.randn(4, 2).to(FP8),
                "ids": torch.arange(7, dtype=torch.int32), "mask": torch.tensor([1, 0, 1], dtype=torch.uint8),
                "empty": torch.zeros(0, 4)}
-    write_safetensors(tmp_path / "x.safetensors", tensors)
+    write_safetensors(tmp_path / "x.safetensors", {k: [v[:2], v[2:]] for k, v in tensors.items()})  # in 2 chunks
     got = load_file(tmp_path / "x.safetensors")
     assert got.keys() == tensors.keys()
     for k, v in tensors.items():
