@@ -255,22 +255,20 @@ class HiddenShards:
     def load(self, sample_id: str, names=("input_ids", "loss_mask", "aux", "final")) -> dict[str, torch.Tensor]:
         r = self.rows[sample_id]
         lo, hi = r["offset"], r["offset"] + r["length"]
-        out = {}
-        for k in names:
-            if k == "final" and "final_length" in r:
-                out[k] = self._sparse_final(r)
-            elif k in ("aux", "final"):
-                out[k] = self._rows(r["shard"], k, lo, hi)
+        f = self._file(r["shard"])[0]
+        out = {k: f.get_slice(k)[lo:hi] for k in names if k not in ("aux", "final")}
+        for k in (k for k in ("aux", "final") if k in names):
+            if k == "final" and "final_length" in r:  # loss spans: scattered back by the mask
+                out[k] = self._sparse_final(r, out["loss_mask"] if "loss_mask" in out else f.get_slice("loss_mask")[lo:hi])
             else:
-                out[k] = self._file(r["shard"])[0].get_slice(k)[lo:hi]
+                out[k] = self._rows(r["shard"], k, lo, hi)
         if "input_ids" in out and ids_sha256(out["input_ids"]) != r["sha256"]:
             raise ValueError(f"{self.dir / r['shard']}: sample {r['id']!r} input_ids hash mismatch (corrupt shard)")
         return out
 
-    def _sparse_final(self, r: dict) -> torch.Tensor:
+    def _sparse_final(self, r: dict, loss_mask: torch.Tensor) -> torch.Tensor:
         """final stored on loss spans only -> [T, H] with zero rows where the loss never reads it."""
-        mask = self._file(r["shard"])[0].get_slice("loss_mask")[r["offset"]:r["offset"] + r["length"]]
-        need = teacher_positions(mask)
+        need = teacher_positions(loss_mask)
         rows = self._rows(r["shard"], "final", r["final_offset"], r["final_offset"] + r["final_length"])
         if int(need.sum()) != rows.shape[0]:
             raise ValueError(f"{self.dir / r['shard']}: sample {r['id']!r} has {rows.shape[0]} final rows for "

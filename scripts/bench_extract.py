@@ -28,7 +28,6 @@ from core.aux_layers import resolve_aux_layers  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.hidden_shards import ShardWriter  # noqa: E402
 from core.target import load_target, resolve_precision  # noqa: E402
-from extract.hf_engine import batches_by_tokens, extract_batch  # noqa: E402
 from extract.run import extract_hf  # noqa: E402
 from scripts.benchmark import matmul_peak, sync  # noqa: E402
 
@@ -57,14 +56,22 @@ def synthetic_rows(n_tokens: int, seq: int, vocab: int, seed: int = 0):
     return Dataset.from_dict({"id": [f"s{i}" for i in range(len(ids))], "input_ids": ids, "loss_mask": masks})
 
 
+class Discard:
+    """Stands in for extract_hf's progress bar, and for its shard writer when timing the forward alone."""
+
+    def update(self, n):
+        pass
+
+    def add(self, *args, **kwargs):
+        pass
+
+
 def forward_only_s(model, rows, aux_layers: list[int], batch_tokens: int, precision: str) -> float:
-    """The same batches through extract_batch with nothing copied or written: the compute share."""
-    lengths = [len(x) for x in rows["input_ids"]]
+    """The same loop and batches with nothing copied or written: the compute share."""
     sync(model.device)
     start = time.perf_counter()
-    for batch in batches_by_tokens(lengths, batch_tokens):
-        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            extract_batch(model, rows.select(batch)["input_ids"], aux_layers)
+    extract_hf(model, rows, [len(x) for x in rows["input_ids"]], aux_layers, Discard(), Discard(), batch_tokens,
+               precision)
     sync(model.device)
     return time.perf_counter() - start
 
@@ -117,17 +124,13 @@ def main() -> None:
     lengths = [len(x) for x in rows["input_ids"]]
     flops = sum(2 * matmul_params * t + 2 * c.num_hidden_layers * c.hidden_size * t * t for t in lengths)
 
-    class Bar:  # extract_hf's progress hook
-        def update(self, n):
-            pass
-
     for tag, data in (("warmup", warm), ("timed", rows)):
         shutil.rmtree(root / tag, ignore_errors=True)
         n = [len(x) for x in data["input_ids"]]
         sync(model.device)
         start = time.perf_counter()
         with ShardWriter(root / tag, c.hidden_size, args.storage, shard_mb=args.shard_mb) as writer:
-            extract_hf(model, data, n, aux_layers, writer, Bar(), args.batch_tokens, precision)
+            extract_hf(model, data, n, aux_layers, writer, Discard(), args.batch_tokens, precision)
         sync(model.device)
         elapsed = time.perf_counter() - start
     written = sum(f.stat().st_size for f in (root / "timed").glob("shard-*.safetensors"))

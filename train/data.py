@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from core.hidden_shards import HiddenShards
+from core.hidden_shards import HiddenShards, teacher_positions
 from train.ttt_loss import teacher_argmax
 
 
@@ -31,11 +31,9 @@ def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on
     out = {}
     for sid in tqdm(shards.ids, desc="teacher argmax", unit="sample"):
         s = shards.load(sid, names=("loss_mask", "final"))
-        mask = torch.ones_like(s["loss_mask"]) if on_prompt else s["loss_mask"]
-        need = torch.zeros_like(mask, dtype=torch.bool)
-        need[:-1] = mask[1:].bool()
+        need = teacher_positions(torch.ones_like(s["loss_mask"]) if on_prompt else s["loss_mask"])
         need[max_len:] = False
-        arg = torch.zeros(mask.shape[0], dtype=torch.long)
+        arg = torch.zeros(need.shape[0], dtype=torch.long)
         if need.any():
             arg[need] = teacher_argmax(s["final"][need].to(head.device), head).cpu()
         out[sid] = arg
