@@ -33,6 +33,28 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_partial_writes(directory: str | Path) -> int:
+    """Delete the temp files (`.<name>.tmp<pid>`) that atomic_write left in `directory` when its
+    process was killed mid-write; temps of a process still running are left alone. Returns the count."""
+    removed = 0
+    for path in Path(directory).glob(".*.tmp*"):
+        pid = path.name.rsplit(".tmp", 1)[1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text))
 

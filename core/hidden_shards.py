@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from core.atomic_io import append_jsonl, atomic_write, read_jsonl, repair_jsonl
+from core.atomic_io import append_jsonl, atomic_write, read_jsonl, remove_partial_writes, repair_jsonl
 from core.fp8_rows import FP8, dequantize_rows, quantize_rows
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,7 @@ class ShardWriter:
             if orphan.name not in indexed:
                 log.info("removing %s: committed but not indexed before a crash; its samples re-run", orphan)
                 orphan.unlink()
-        for partial in self.dir.glob(".shard-*.safetensors.tmp*"):  # a commit cut short by a kill
-            partial.unlink()
+        remove_partial_writes(self.dir)  # a commit cut short by a kill
         self._buf: list[tuple[str, dict[str, torch.Tensor]]] = []
         self._buf_bytes = 0
         self._queued: set[str] = set()  # buffered or in flight

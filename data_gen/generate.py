@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from core.atomic_io import atomic_write_json
+from core.atomic_io import atomic_write_json, remove_partial_writes
 from core.chat import fitting_prompts, prompt_ids
 from core.config import RunConfig
 from core.conversations import done_ids, template_hash, write_part
@@ -200,6 +200,8 @@ def main(cfg: RunConfig) -> Path:
     skipped: Counter[str] = Counter()
     prompts = load_prompts(dg.prompts, "train", dg.heldout_percent, dg.on_bad_record == "strict", skipped)
     chosen = fitting_prompts(prompts, tok, dg.max_prompt_tokens, dg.num_samples, skipped, dg.max_turns)
+    if out.is_dir() and (n := remove_partial_writes(out)):
+        log.info("removed %d part files cut short by a kill (their conversations are redone)", n)
     done = done_ids(out)
     convs = [c for p, ids in sorted(chosen, key=lambda x: len(x[1]))  # similar lengths batch together
              for c in regenerations(p, dg.max_turns, dg.n, dg.request_seed)]

@@ -1,5 +1,7 @@
 """Shard round trip, resume after a simulated crash, and corruption detection (real safetensors)."""
 
+import os
+
 import pytest
 import torch
 
@@ -50,9 +52,11 @@ def test_resume_after_crash_loses_and_duplicates_nothing(tmp_path):
     index = tmp_path / INDEX
     lines = index.read_text().splitlines(keepends=True)
     index.write_text("".join(lines[:2]) + lines[2][:20])  # s2's line torn mid-write
-    (tmp_path / f".{shard_name(3)}.tmp123").write_bytes(b"half a shard")  # crash 3: killed mid-write
+    (tmp_path / f".{shard_name(3)}.tmp4194305").write_bytes(b"half a shard")  # crash 3: killed mid-write
+    (tmp_path / f".{shard_name(4)}.tmp{os.getpid()}").write_bytes(b"live")  # a running writer's: kept
     w3 = ShardWriter(tmp_path, H, "float32", shard_mb=0)
-    assert not list(tmp_path.glob(".shard-*"))
+    assert [p.name for p in tmp_path.glob(".shard-*")] == [f".{shard_name(4)}.tmp{os.getpid()}"]
+    (tmp_path / f".{shard_name(4)}.tmp{os.getpid()}").unlink()
     assert w3.done == {"s0", "s1"}
     assert not (tmp_path / shard_name(2)).exists()  # orphan of the torn line removed
     for i in (2, 3):
