@@ -117,7 +117,6 @@ class EvalConfig:
     max_prompts: int = _f(16, "prompts evaluated")
     max_new_tokens: int = _f(96, "tokens generated per prompt")
     draft_steps: int = _f(5, "chain length K drafted per verification")
-    temperature: float = _f(0.0, "only 0 (greedy) is supported")
 
 
 @dataclass

@@ -1,9 +1,13 @@
-"""The decode engine shared by data_gen (batched generation) and eval (greedy baseline and chain
-speculative decoding), on an HF causal LM with a DynamicCache.
+"""The decode engine of data_gen (batched generation) and eval (greedy baseline and chain speculative
+decoding): one target call (`target_forward`) over one static KV cache type, split like gpt-fast into
+`prefill`, `decode_one` and `verify`, plus the drafter's static `DraftCache`.
 
-Why not `model.generate`: we need the aux hidden states of every verified position, cache
-rollback after a rejected draft, and per-step acceptance counts; a plain cached loop gives all
-three and runs at the same speed (measured in docs/PERFORMANCE.md).
+Why not `model.generate`: speculative decoding needs the aux hidden states of every verified
+position, cache rollback after a rejected draft and per-round acceptance counts, and a speedup is
+only fair when the baseline runs through the very same calls.
+Why static caches: a growing cache re-copies itself every step (measured on CPU at batch 128: 0.36 vs
+0.46 s/step), and fixed shapes are what torch.compile / CUDA graphs need. Rollback costs nothing: a
+slot past a query's position is masked, and the next write at that position overwrites it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,70 @@ from core.drafter import DraftCache, Eagle3Drafter
 class Generation:
     tokens: list[int]
     finish_reason: str  # "stop" (end-of-turn generated, included in tokens) | "length"
-    accept_lengths: list[int] = field(default_factory=list)  # spec decoding: tokens per verification
+    # speculative decoding: tokens each verification added to `tokens`, so 1 + sum == len(tokens)
+    accept_lengths: list[int] = field(default_factory=list)
+
+
+def new_cache(model, max_len: int) -> StaticCache:
+    return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def _seek(cache: StaticCache, slot: int) -> None:
+    """Make the next write land at `slot`: transformers' static layers append at their running length
+    (and mask by it), so moving it back is the rollback, and the forward's writes overwrite the slots."""
+    for layer in cache.layers:
+        if not hasattr(layer, "cumulative_length") or getattr(layer, "is_sliding", False):
+            raise ValueError(f"decode engine: {type(layer).__name__} cache layers are not supported (sliding "
+                             "window or non-static attention); use a full-attention target")
+        layer.cumulative_length.fill_(slot)
+
+
+def target_forward(model, cache: StaticCache, ids: torch.Tensor, start: int, attention_mask=None, position_ids=None,
+                   aux_layers: list[int] | None = None, last_only: bool = False):
+    """The one target call: ids [B,T] into cache slots start..start+T-1 -> (logits [B,T|1,V], aux
+    [B,T,3H] or None). Positions default to the slots (batch 1, no padding)."""
+    _seek(cache, start)
+    if position_ids is None:
+        position_ids = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
+    out = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+                use_cache=True, output_hidden_states=bool(aux_layers), logits_to_keep=1 if last_only else 0)
+    aux = torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1) if aux_layers else None
+    return out.logits, aux
+
+
+def prefill(model, cache: StaticCache, ids: torch.Tensor, attention_mask=None, position_ids=None,
+            aux_layers: list[int] | None = None, bf16: bool = False):
+    """The prompt pass -> (last-position logits [B,V], aux [B,T,3H] or None)."""
+    if bf16:
+        return _prefill_bf16(model, cache, ids, attention_mask, position_ids), None
+    logits, aux = target_forward(model, cache, ids, 0, attention_mask, position_ids, aux_layers, last_only=True)
+    return logits[:, -1], aux
+
+
+def decode_one(model, cache: StaticCache, token: torch.Tensor, slot: int, attention_mask=None,
+               position_ids=None) -> torch.Tensor:
+    """One new token per row [B] at cache slot `slot` -> next-token logits [B,V]."""
+    return target_forward(model, cache, token[:, None], slot, attention_mask, position_ids, last_only=True)[0][:, -1]
+
+
+def verify(model, cache: StaticCache, tokens: list[int], start: int, aux_layers: list[int]):
+    """The newest token plus K drafts at positions start.. (batch 1) -> (logits [K+1,V], aux [1,K+1,3H])."""
+    logits, aux = target_forward(model, cache, torch.tensor([tokens], device=model.device), start,
+                                 aux_layers=aux_layers)
+    return logits[0], aux
+
+
+def _prefill_bf16(model, cache: StaticCache, ids, mask, pos) -> torch.Tensor:
+    """Prompt pass under bf16 autocast (3.4x faster on AMX CPUs; ~40% of a demo generation was prefill)
+    into a throwaway cache, its K/V then copied into `cache` in the model's dtype (autocast leaves keys
+    fp32 but values bf16, which a static cache can't hold). Decode steps stay in the model's dtype."""
+    scratch = DynamicCache()
+    with torch.autocast(model.device.type, dtype=torch.bfloat16):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=scratch,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]
+    for i, layer in enumerate(scratch.layers):
+        cache.update(layer.keys.to(model.dtype), layer.values.to(model.dtype), i)
+    return logits.float()
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -34,11 +101,10 @@ def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
 def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
              temperature: float = 0.0, generator: torch.Generator | None = None,
              bf16_prefill: bool = False) -> list[Generation]:
-    """Batched generation with left padding; each row stops at its first stop id. The KV cache is
-    static (allocated once) because a growing DynamicCache re-copies the whole cache every step
-    (measured on CPU at batch 128: 0.36 vs 0.46 s/step; ~6% of a whole demo generation).
-    bf16_prefill: the prompt pass runs under bf16 autocast (3.4x faster on AMX CPUs; ~40% of a demo
-    generation was prefill), its K/V stored in the model's dtype; decode steps stay in that dtype."""
+    """Batched generation with left padding: prefill, then decode_one until every row has hit a stop
+    id (kept in its tokens) or max_new_tokens. Batch 1 is eval's greedy baseline."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens = {max_new_tokens}; must be >= 1")
     device = model.device
     b, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(b, width, dtype=torch.long, device=device)
@@ -46,102 +112,80 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: lis
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p, device=device)
         mask[i, width - len(p):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    next_pos = pos[:, -1:] + 1
     stop = torch.tensor(stop_ids, device=device)
-    cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
+    cache = new_cache(model, width + max_new_tokens)
+    logits, _ = prefill(model, cache, ids, mask, pos, bf16=bf16_prefill)
     out = [[] for _ in range(b)]
     done = torch.zeros(b, dtype=torch.bool, device=device)
-    step_ids, filled = ids, 0
-    for _ in range(max_new_tokens):
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
-        cache_pos = torch.arange(filled, filled + step_ids.shape[1], device=device)
-        filled += step_ids.shape[1]
-        if bf16_prefill and step_ids is ids:
-            logits = _prefill_bf16(model, step_ids, mask, pos, cache)
-        else:
-            logits = model(input_ids=step_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                           cache_position=cache_pos, use_cache=True, logits_to_keep=1).logits[:, -1]
+    for step in range(max_new_tokens):
         nxt = _sample(logits, temperature, generator)
         for i in torch.nonzero(~done).flatten().tolist():
             out[i].append(int(nxt[i]))
         done |= torch.isin(nxt, stop)
-        if bool(done.all()):
+        if bool(done.all()) or step + 1 == max_new_tokens:
             break
-        step_ids = nxt[:, None]
         mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], dim=1)
+        logits = decode_one(model, cache, nxt, width + step, mask, next_pos + step)
     return [Generation(t, "stop" if t and t[-1] in stop_ids else "length") for t in out]
 
 
-def _prefill_bf16(model, ids, mask, pos, cache: StaticCache) -> torch.Tensor:
-    """Prompt pass under bf16 autocast into a throwaway cache, then its K/V copied into `cache` in the
-    model's dtype (autocast leaves keys fp32 but values bf16, which a static cache can't hold)."""
-    prefill = DynamicCache()
-    with torch.autocast(model.device.type, dtype=torch.bfloat16):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=prefill,
-                       use_cache=True, logits_to_keep=1).logits[:, -1]
-    for i, layer in enumerate(prefill.layers):
-        cache.update(layer.keys.to(model.dtype), layer.values.to(model.dtype), i)
-    return logits.float()
+def draft_chain(drafter: Eagle3Drafter, logits: torch.Tensor, hidden: torch.Tensor, m: int, steps: int,
+                cache: DraftCache) -> list[int]:
+    """K greedy drafts from the drafter's output at position m-1 (logits [1,Vd], hidden [1,1,H]):
+    draft j is fed back at position m+j to propose draft j+1 (training's step j+1, train/ttt_loss.py)."""
+    drafts = []
+    for j in range(steps):
+        drafts.append(int(drafter.draft_to_target(logits[0].argmax())))
+        if j + 1 < steps:
+            step_logits, hidden = drafter(hidden, torch.tensor([[drafts[-1]]], device=hidden.device),
+                                          torch.tensor([[m + j]], device=hidden.device), cache)
+            logits = step_logits[:, -1]
+    return drafts
 
 
-def _target_step(model, ids: list[int], cache: DynamicCache, start: int, aux_layers: list[int]):
-    """Run ids at positions start.. through the target; -> (logits [T,V], aux [T,3H])."""
-    device = model.device
-    x = torch.tensor([ids], device=device)
-    pos = torch.arange(start, start + len(ids), device=device)[None]
-    out = model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    aux = torch.cat([out.hidden_states[i][0] for i in aux_layers], dim=-1)
-    return out.logits[0], aux
-
-
-def _crop(cache: DynamicCache, keep: int) -> None:
-    """Keep the first `keep` positions (negative form: the one every transformers 5.x accepts)."""
-    extra = cache.get_seq_length() - keep
-    if extra > 0:
-        cache.crop(-extra)
-
-
-def _truncate(tokens: list[int], max_new_tokens: int, stop_ids: list[int]) -> Generation:
-    for i, t in enumerate(tokens[:max_new_tokens]):
+def _emitted(candidates: list[int], stop_ids: list[int], budget: int) -> list[int]:
+    """The tokens a verification adds: up to and including the first stop id, at most `budget`."""
+    for i, t in enumerate(candidates):
         if t in stop_ids:
-            return Generation(tokens[: i + 1], "stop")
-    return Generation(tokens[:max_new_tokens], "length")
+            candidates = candidates[: i + 1]
+            break
+    return candidates[:budget]
 
 
 @torch.inference_mode()
 def speculative_generate(model, drafter: Eagle3Drafter, prompt: list[int], max_new_tokens: int,
                          stop_ids: list[int], draft_steps: int) -> Generation:
     """Greedy chain speculative decoding (batch 1): draft K tokens, verify them in one target forward,
-    keep the longest matching prefix plus the target's bonus token. Output == greedy output."""
-    aux_layers = drafter.config.aux_layers
-    device = model.device
-    cache, dcache = DynamicCache(), DraftCache()
-    logits, aux = _target_step(model, prompt, cache, 0, aux_layers)
-    tokens = prompt + [int(logits[-1].argmax())]
-    m = len(prompt)  # index of the newest token (not yet run through the target)
-    # Drafter extend over positions 0..m-1: (aux_t, token_{t+1}).
-    d_logits, h = drafter(aux[None], torch.tensor([tokens[1:]], device=device),
-                          torch.arange(m, device=device)[None], dcache)
+    keep the longest prefix the target agrees with plus the target's own next token. Output == greedy
+    output. A round that accepts a stop id ends generation: nothing after it is emitted or counted."""
+    if max_new_tokens < 1 or draft_steps < 1:
+        raise ValueError(f"max_new_tokens = {max_new_tokens}, draft_steps = {draft_steps}; both must be >= 1")
+    device, aux_layers = model.device, drafter.config.aux_layers
+    max_len = len(prompt) + max_new_tokens + draft_steps
+    cache, dcache = new_cache(model, max_len), DraftCache(max_len)
+    logits, aux = prefill(model, cache, torch.tensor([prompt], device=device), aux_layers=aux_layers)
+    out = [int(logits[0].argmax())]
+    m = len(prompt)  # position of out[-1], the newest token, not yet run through the target
     accept_lengths = []
-    while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] not in stop_ids:
-        drafts, dl, dh = [], d_logits[:, -1:], h[:, -1:]
-        for j in range(draft_steps):
-            drafts.append(int(drafter.draft_to_target(dl[0, -1].argmax())))
-            if j + 1 < draft_steps:
-                dl, dh = drafter(dh, torch.tensor([[drafts[-1]]], device=device),
-                                 torch.tensor([[m + j]], device=device), dcache)
-        logits, aux = _target_step(model, [tokens[m]] + drafts, cache, m, aux_layers)
+    # The drafter reads (aux_t, token_{t+1}) at positions 0..m-1.
+    d_logits, h = drafter(aux, torch.tensor([prompt[1:] + out], device=device), torch.arange(m, device=device)[None],
+                          dcache)
+    while out[-1] not in stop_ids and len(out) < max_new_tokens:
+        drafts = draft_chain(drafter, d_logits[:, -1], h[:, -1:], m, draft_steps, dcache)
+        logits, aux = verify(model, cache, [out[-1], *drafts], m, aux_layers)
         verdict = logits.argmax(-1).tolist()
         a = 0
         while a < draft_steps and drafts[a] == verdict[a]:
             a += 1
-        new = drafts[:a] + [verdict[a]]
-        accept_lengths.append(a + 1)
-        _crop(cache, m + a + 1)
-        dcache.crop(m)
-        tokens += new
-        d_logits, h = drafter(aux[None, : a + 1], torch.tensor([new], device=device),
-                              torch.arange(m, m + a + 1, device=device)[None], dcache)
-        m += a + 1
-    gen = _truncate(tokens[len(prompt):], max_new_tokens, stop_ids)
-    gen.accept_lengths = accept_lengths
-    return gen
+        new = _emitted(drafts[:a] + [verdict[a]], stop_ids, max_new_tokens - len(out))
+        accept_lengths.append(len(new))
+        out += new
+        if out[-1] in stop_ids or len(out) >= max_new_tokens:
+            break
+        dcache.rollback(m)  # forget the drafts; the accepted tokens are re-read with the target's aux
+        d_logits, h = drafter(aux[:, : len(new)], torch.tensor([new], device=device),
+                              torch.arange(m, m + len(new), device=device)[None], dcache)
+        m += len(new)
+    return Generation(out, "stop" if out[-1] in stop_ids else "length", accept_lengths)

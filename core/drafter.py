@@ -150,23 +150,33 @@ class MidLayer(nn.Module):
 
 
 class DraftCache:
-    """K/V of positions the drafter has seen, [B, nkv, L, d]; crop() drops drafted entries."""
+    """The drafter's static KV cache: K/V buffers for `max_len` positions, allocated at the first
+    append; positions [0, length) are valid. Drafting appends past `length`; `rollback(n)` forgets
+    the positions from n on (rejected drafts) and the next append overwrites their slots. Shapes never
+    change (attention runs over the whole buffer under a mask), which a compiled step needs."""
 
-    def __init__(self):
+    def __init__(self, max_len: int):
+        self.max_len, self.length = max_len, 0
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
-    def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """k/v [B,nkv,T,d] at positions length.. -> (all keys, all values, mask [T,max_len])."""
+        start, t = self.length, k.shape[2]
+        if start + t > self.max_len:
+            raise ValueError(f"draft cache full: {start} + {t} positions > max_len {self.max_len}")
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+        self.k[:, :, start:start + t] = k
+        self.v[:, :, start:start + t] = v
+        self.length = start + t
+        slots = torch.arange(self.max_len, device=k.device)
+        mask = slots[None, :] <= torch.arange(start, start + t, device=k.device)[:, None]
+        return self.k, self.v, mask
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
-
-    def crop(self, length: int) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+    def rollback(self, length: int) -> None:
+        self.length = min(self.length, length)
 
 
 class Eagle3Drafter(nn.Module):
@@ -208,13 +218,11 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(h2))
 
     def forward(self, hidden, tokens, positions, cache: DraftCache):
-        """Decode-time step over T new positions, attending causally to the cache plus themselves."""
+        """Decode-time step over T new positions (appended to the cache after its valid ones),
+        attending causally to the cache plus themselves; -> (logits [B,T,Vd], h2 [B,T,H])."""
         q, k, v, residual = self.qkv(hidden, tokens, positions)
-        past = len(cache)
-        k_all, v_all = cache.append(k, v)
-        t, total = q.shape[2], k_all.shape[2]
-        allowed = torch.arange(total, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
-        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, enable_gqa=True)
+        k_all, v_all, mask = cache.append(k, v)
+        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
         h2 = self.finish(attn, residual)
         return self.logits(h2), h2
 

@@ -78,9 +78,10 @@ def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]]) -> Non
 
 
 def teacher_positions(loss_mask: torch.Tensor) -> torch.Tensor:
-    """[T] -> bool [T]: positions j whose target distribution the loss reads (token j+1 is trained on)."""
-    need = torch.zeros(loss_mask.shape, dtype=torch.bool)
-    need[:-1] = loss_mask[1:].bool()
+    """[..., T] -> bool [..., T]: positions j whose target distribution the loss reads (token j+1 is
+    trained on). The one copy of this rule: extract keeps `final` there, train computes teachers there."""
+    need = torch.zeros_like(loss_mask, dtype=torch.bool)
+    need[..., :-1] = loss_mask[..., 1:].bool()
     return need
 
 

@@ -41,6 +41,9 @@ def check_compat(manifest: dict, expected: dict, where: Path) -> None:
     """Fail with both values printed when an upstream artifact was made for something else."""
     have = manifest.get("compat", {})
     for key, want in expected.items():
-        if key in have and have[key] != want:
+        if key not in have:
+            raise ValueError(f"{where}/manifest.json: no compat.{key} (this run expects {want!r}); "
+                             "re-run the producing stage")
+        if have[key] != want:
             raise ValueError(f"{where}/manifest.json: {key} = {have[key]!r} but this run expects {want!r}; "
                              f"re-run the producing stage or fix the config")

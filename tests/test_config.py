@@ -51,3 +51,14 @@ def test_yaml_bare_no_is_the_string_no(tmp_path):
     path.write_text("train:\n  mixed_precision: no\nextract:\n  mixed_precision: no\n")
     cfg = load_config(path)
     assert cfg.train.mixed_precision == "no" and cfg.extract.mixed_precision == "no"
+
+
+def test_check_compat_refuses_a_missing_or_different_key(tmp_path):
+    from core.manifest import check_compat
+
+    manifest = {"compat": {"target": "tiny-random-llama"}}
+    check_compat(manifest, {"target": "tiny-random-llama"}, tmp_path)
+    with pytest.raises(ValueError, match="target = 'tiny-random-llama' but this run expects 'other'"):
+        check_compat(manifest, {"target": "other"}, tmp_path)
+    with pytest.raises(ValueError, match="no compat.aux_layers"):
+        check_compat(manifest, {"aux_layers": [2, 15, 27]}, tmp_path)

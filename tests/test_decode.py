@@ -7,6 +7,7 @@ from core.chat import prompt_ids
 from core.decode import generate, speculative_generate
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.target import end_of_turn_ids, load_target
+from eval.report import summarize
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
@@ -66,25 +67,53 @@ def test_speculative_equals_greedy_with_untrained_drafter(target):
         greedy = generate(model, [p], 20, stop)[0]
         spec = speculative_generate(model, d, p, 20, stop, draft_steps=3)
         assert spec.tokens == greedy.tokens and spec.finish_reason == greedy.finish_reason
-        assert 1 + sum(spec.accept_lengths) >= len(spec.tokens) and all(1 <= a <= 4 for a in spec.accept_lengths)
+        assert 1 + sum(spec.accept_lengths) == len(spec.tokens) and all(1 <= a <= 4 for a in spec.accept_lengths)
 
 
-def test_speculative_with_perfect_drafts_accepts_everything(target, monkeypatch):
-    """If the drafter always proposes the target's own next tokens, every draft is accepted."""
-    model, _, prompts, stop = target
-    greedy = generate(model, [prompts[0]], 16, [])[0].tokens  # no stop: full length
-    n = model.config.num_hidden_layers
-    d = untrained_drafter(model, [1, n // 2, n - 1])
-    calls = iter(range(1000))
+def scripted(drafter, greedy: list[int], plan: list[int], k: int, vocab: int):
+    """Make the drafter propose the target's own tokens except at planned slots: round r gets its
+    draft plan[r] wrong (plan[r] == k: all right), so it must accept exactly plan[r] drafts."""
+    calls = iter(range(10_000))
 
-    def oracle(_draft_ids):  # call c drafts round c // 3, slot c % 3; each round ends with a bonus
-        c = next(calls)
-        return torch.tensor((greedy + [0] * 8)[1 + 4 * (c // 3) + c % 3])
+    def draft(_draft_index):
+        r, j = divmod(next(calls), k)
+        if r >= len(plan):  # rounds past the plan (a bug) draft a fixed token
+            return torch.tensor(0)
+        start = 1 + sum(plan[:r]) + r  # tokens out before round r: the first plus plan[i] + 1 per round
+        right = greedy[start + j]
+        return torch.tensor(right if j != plan[r] else (right + 1) % vocab)
 
-    monkeypatch.setattr(d, "draft_to_target", oracle)
-    spec = speculative_generate(model, d, prompts[0], 16, [], draft_steps=3)
-    assert spec.tokens == greedy
-    assert spec.accept_lengths[:3] == [4, 4, 4]
+    drafter.draft_to_target = draft
+
+
+def test_scripted_partial_accepts_give_exact_lengths_and_per_position_acceptance(target):
+    model, _, prompts, _ = target
+    plan, k = [2, 0, 3, 1], 3
+    n_new = 1 + sum(plan) + len(plan)
+    greedy = generate(model, [prompts[1]], n_new + 8, [])[0].tokens
+    d = untrained_drafter(model, [1, 2, 3])
+    scripted(d, greedy, plan, k, model.config.vocab_size)
+    spec = speculative_generate(model, d, prompts[1], n_new, [], draft_steps=k)
+    assert spec.tokens == greedy[:n_new] and spec.accept_lengths == [3, 1, 4, 2]
+    r = summarize([{"id": "p", "tokens": len(spec.tokens), "accept_lengths": spec.accept_lengths, "match": True,
+                    "time_baseline_s": 1.0, "time_spec_s": 1.0, "baseline_tokens": n_new}], k)
+    assert r["per_position_acceptance"] == [3 / 4, 2 / 4, 1 / 4]  # draft i accepted in rounds with > i+1 tokens
+    assert r["accept_length_histogram"] == [1, 1, 1, 1] and r["acceptance_length"] == 10 / 4
+
+
+def test_accepted_stop_id_ends_generation_and_no_later_round_counts(target):
+    """A stop id accepted mid-chain ends the answer in that round: no further verification runs
+    (before the fix, the loop kept verifying past it and τ counted those rounds)."""
+    model, _, prompts, _ = target
+    k = 4
+    greedy = generate(model, [prompts[2]], 24, [])[0].tokens
+    i = next(i for i in (2, 3) if greedy[i] not in greedy[:i])  # its first occurrence, mid-chain of round 1
+    stop = [greedy[i]]
+    d = untrained_drafter(model, [1, 2, 3])
+    scripted(d, greedy, [k] * 4, k, model.config.vocab_size)  # every draft right: round 1 proposes greedy[1:5]
+    spec = speculative_generate(model, d, prompts[2], 24, stop, draft_steps=k)
+    assert spec.tokens == generate(model, [prompts[2]], 24, stop)[0].tokens == greedy[: i + 1]
+    assert spec.finish_reason == "stop" and spec.accept_lengths == [i]
 
 
 def test_generation_stops_at_end_of_turn(target):

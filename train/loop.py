@@ -27,12 +27,12 @@ from core.atomic_io import append_jsonl, atomic_write_json, atomic_write_text, r
 from core.config import RunConfig, to_dict
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.hidden_shards import HiddenShards
-from core.manifest import read_manifest, write_manifest
+from core.manifest import check_compat, read_manifest, write_manifest
 from core.target import TargetHead, load_target_embeddings, resolve_precision, target_info
 from train.data import ShardDataset, aux_rms, collate, length_grouped_batches, precompute_argmax
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
 from train.plots import plot_curves
-from train.ttt_loss import TTTObjective, teacher_targets
+from train.ttt_loss import TTTObjective, step_metrics, teacher_targets
 
 log = logging.getLogger("train")
 
@@ -106,11 +106,11 @@ def resume(accelerator: Accelerator, ckpt_root: Path, metrics_path: Path) -> tup
     return step, latest["epoch"], latest["batch"]
 
 
-def log_metrics(accelerator: Accelerator, metrics_path: Path, step: int, epoch: int, lr: float, loss, m) -> dict:
-    row = {"step": step, "epoch": epoch, "lr": lr, "loss": accelerator.reduce(loss.detach(), "mean").item()}
-    for k, (lk, ak) in enumerate(zip(m["loss_k"], m["acc_k"], strict=True)):
-        row[f"loss_{k}"] = accelerator.reduce(lk, "mean").item()
-        row[f"acc_{k}"] = accelerator.reduce(ak, "mean").item()
+def log_metrics(accelerator: Accelerator, metrics_path: Path, step: int, epoch: int, lr: float,
+                sums: dict[str, torch.Tensor], decay: float) -> dict:
+    """Per-step sums since the last line, summed across ranks, then divided (step_metrics)."""
+    row = {"step": step, "epoch": epoch, "lr": lr}
+    row.update(step_metrics({k: accelerator.reduce(v, "sum") for k, v in sums.items()}, decay))
     accelerator.log(row, step=step)
     if accelerator.is_main_process:
         append_jsonl(metrics_path, [row])
@@ -121,9 +121,7 @@ def main(cfg: RunConfig) -> Path:
     tc = cfg.train
     hidden_dir, train_dir, out = cfg.run_path / "hidden", cfg.run_path / "train", cfg.run_path / "drafter"
     hm = read_manifest(hidden_dir, "extract")
-    if hm["compat"].get("target") != cfg.target.model:
-        raise ValueError(f"{hidden_dir}/manifest.json: target {hm['compat'].get('target')!r} != "
-                         f"{cfg.target.model!r}; re-run extract or fix target.model")
+    check_compat(hm, {"target": cfg.target.model}, hidden_dir)
     os.environ.setdefault("WANDB_MODE", tc.wandb_mode)
     trackers = "wandb" if tc.wandb_mode != "disabled" else None
     precision = resolve_precision(tc.mixed_precision)
@@ -164,6 +162,7 @@ def main(cfg: RunConfig) -> Path:
     if trackers:
         accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg),
                                   init_kwargs={"wandb": {"dir": str(train_dir), "name": cfg.name}})
+    window = None  # per-step loss / accuracy sums of the micro-batches since the last log line
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     for epoch in range(start_epoch, tc.epochs):
         dl = epoch_loader(ds, lengths, cfg, epoch, accelerator)
@@ -177,6 +176,7 @@ def main(cfg: RunConfig) -> Path:
                 if tc.aux_noise:  # in units of each feature's RMS (the drafter divides aux by aux_scale)
                     aux = aux + (torch.rand_like(aux) * 2 - 1) * tc.aux_noise * aux_scale
                 loss, m = objective(aux, batch["input_ids"], mask, teacher)
+                window = m if window is None else {k: window[k] + v for k, v in m.items()}
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(objective.parameters(), tc.grad_clip)
@@ -188,7 +188,8 @@ def main(cfg: RunConfig) -> Path:
             step += 1
             bar.update(1)
             if step % tc.log_every == 0 or step == total_steps:  # .item() (a sync) only here
-                row = log_metrics(accelerator, metrics_path, step, epoch, sched.get_last_lr()[0], loss, m)
+                row = log_metrics(accelerator, metrics_path, step, epoch, sched.get_last_lr()[0], window, tc.loss_decay)
+                window = None
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc_0=f"{row['acc_0']:.3f}")
             if tc.save_every and step % tc.save_every == 0:
                 save_checkpoint(accelerator, ckpt_root, step, epoch, i + 1)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from core.drafter import Eagle3Drafter
+from core.hidden_shards import teacher_positions
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -41,7 +42,7 @@ def teacher_targets(final: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch
     Only positions j whose next token is an assistant token (loss_mask[j+1]) are ever a target, so
     only those rows are computed. `argmax` [B,T]: the full-vocab argmax, precomputed (else computed here)."""
     b, t, h = final.shape
-    need = shift_left(loss_mask, 1).bool()  # [B,T]
+    need = teacher_positions(loss_mask)  # [B,T]
     rows = final[need].float()  # [n,H]
     arg = argmax[need] if argmax is not None else teacher_argmax(rows, lm_head)
     target_to_draft = torch.cumsum(t2d.long(), 0) - 1  # target id -> draft index (where t2d)
@@ -73,13 +74,14 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
 
 def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
              teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor], steps: int, decay: float):
-    """-> (weighted loss, {"loss_k": [...], "acc_k": [...], "count_k": [...]}) (tensors, not synced)."""
+    """-> (weighted loss, per-step sums {"loss_sum", "correct", "count"}: [K] tensors, detached, not
+    synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`)."""
     p, top, in_vocab = teacher
     b, t = input_ids.shape
     positions = torch.arange(t, device=aux.device)[None].expand(b, t)
     hidden, keys, values = aux, [], []
     total = aux.new_zeros(())
-    metrics = {"loss_k": [], "acc_k": [], "count_k": []}
+    sums = {"loss_sum": [], "correct": [], "count": []}
     for k in range(steps):
         q, kk, vv, residual = drafter.qkv(hidden, shift_left(input_ids, k + 1), positions + k)
         keys.append(kk)
@@ -88,13 +90,23 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
         mask = shift_left(loss_mask, k + 2).bool() & shift_left(in_vocab, k + 1)  # [B,T]
         n = mask.sum()
         logp = F.log_softmax(drafter.logits(hidden[mask]).float(), -1)  # [n,Vd]: masked rows only
-        loss_k = -(shift_left(p, k + 1)[mask] * logp).sum() / n.clamp(min=1)
-        acc_k = (logp.argmax(-1) == shift_left(top, k + 1)[mask]).sum() / n.clamp(min=1)
-        total = total + decay ** k * loss_k
-        metrics["loss_k"].append(loss_k.detach())
-        metrics["acc_k"].append(acc_k.detach())
-        metrics["count_k"].append(n.detach())
-    return total, metrics
+        loss_sum = -(shift_left(p, k + 1)[mask] * logp).sum()
+        total = total + decay ** k * loss_sum / n.clamp(min=1)
+        sums["loss_sum"].append(loss_sum.detach())
+        sums["correct"].append((logp.argmax(-1) == shift_left(top, k + 1)[mask]).sum().detach())
+        sums["count"].append(n.detach())
+    return total, {name: torch.stack(v).float() for name, v in sums.items()}
+
+
+def step_metrics(sums: dict[str, torch.Tensor], decay: float) -> dict[str, float]:
+    """Per-step sums (over micro-batches and ranks) -> {"loss", "loss_k", "acc_k"}: ratios of sums,
+    so a rank or batch with few counted rows weighs what its rows weigh."""
+    n = sums["count"].clamp(min=1)
+    loss_k, acc_k = (sums["loss_sum"] / n).tolist(), (sums["correct"] / n).tolist()
+    row = {"loss": sum(decay ** k * lk for k, lk in enumerate(loss_k))}
+    row.update({f"loss_{k}": v for k, v in enumerate(loss_k)})
+    row.update({f"acc_{k}": v for k, v in enumerate(acc_k)})
+    return row
 
 
 class TTTObjective(torch.nn.Module):

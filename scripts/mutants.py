@@ -1,0 +1,159 @@
+"""Mutation check: break the code on purpose, one bug at a time, and make sure the tests notice.
+
+    python scripts/mutants.py                # baseline (unmutated tests pass), then every mutant
+    python scripts/mutants.py --only M1,M2a  # some mutants; --list prints them
+
+Each mutant is one exact source replacement (it must match exactly once) applied to a fresh copy
+of the work tree (tracked and untracked files, no venv) in a temp dir; the named tests then run
+there with `python -m pytest -x -q`. Killed = pytest exits 1 (a test failed). A pass, or any other
+exit (a collection error says the mutant broke the import, not the behaviour), is a survivor.
+Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, K1-K2 the two it
+found killed, N1-N9 guard what issue 9 added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+ALIGN = ("tests/test_draft_alignment.py",)
+RESUME = ("tests/test_resume.py",)
+MUTANTS = [
+    Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/loop.py",
+           '    accelerator.load_state(str(ckpt_root / latest["path"]))\n', "", RESUME),
+    Mutant("M2a", "draft cache never rolled back after a verification", "core/decode.py",
+           "        dcache.rollback(m)", "        pass", ALIGN),
+    Mutant("M2b", "decode-time draft RoPE position m+j -> m+j+1", "core/decode.py",
+           "torch.tensor([[m + j]], device=hidden.device)", "torch.tensor([[m + j + 1]], device=hidden.device)",
+           ALIGN),
+    Mutant("M3c", "TTT step k loses its RoPE offset", "train/ttt_loss.py",
+           "shift_left(input_ids, k + 1), positions + k)", "shift_left(input_ids, k + 1), positions)", ALIGN),
+    Mutant("M3d", "TTT step k reads x[t+1] instead of x[t+k+1]", "train/ttt_loss.py",
+           "shift_left(input_ids, k + 1), positions + k)", "shift_left(input_ids, 1), positions + k)", ALIGN),
+    Mutant("M4a", "optimizer step removed", "train/loop.py", "                opt.step()\n", "", RESUME),
+    Mutant("M4b", "per-position acceptance counts a >= i+1", "eval/report.py",
+           "sum(a > i + 1 for a in lengths)", "sum(a >= i + 1 for a in lengths)",
+           ("tests/test_decode.py::test_scripted_partial_accepts_give_exact_lengths_and_per_position_acceptance",)),
+    Mutant("M5", "SGLang plugin's BEFORE hook returns at once (no D2H copy queued)", "extract/sglang_plugin.py",
+           "    self = args[0]", "    return",
+           ("tests/test_sglang_plugin.py::test_before_hook_queues_the_final_states_through_sglangs_async_d2h",)),
+    Mutant("K1", "teacher shifted k+1 -> k", "train/ttt_loss.py",
+           "shift_left(p, k + 1)[mask]", "shift_left(p, k)[mask]", ALIGN),
+    Mutant("K2", "aux_scale not folded into fc on export", "core/drafter.py",
+           'sd["fc.weight"] = (sd["fc.weight"] / self.aux_scale.cpu()).contiguous()',
+           'sd["fc.weight"] = sd["fc.weight"].contiguous()', ("tests/test_drafter.py",)),
+    Mutant("N1", "a stop id accepted mid-chain does not end the round's output", "core/decode.py",
+           "            candidates = candidates[: i + 1]", "            pass",
+           ("tests/test_decode.py::test_accepted_stop_id_ends_generation_and_no_later_round_counts",)),
+    Mutant("N2", "the target's static cache is not moved back to the verified position", "core/decode.py",
+           "    _seek(cache, start)\n", "",
+           ("tests/test_decode.py::test_speculative_equals_greedy_with_untrained_drafter",)),
+    Mutant("N3", "draft cache mask hides the query's own slot", "core/drafter.py",
+           "mask = slots[None, :] <= torch.arange(", "mask = slots[None, :] < torch.arange(", ALIGN),
+    Mutant("N4", "logged loss ignores the per-step decay", "train/ttt_loss.py",
+           "sum(decay ** k * lk for", "sum(lk for", ("tests/test_drafter.py::test_metrics_are_ratios_of_summed_counts",)),
+    Mutant("N5", "logged metrics not divided by the summed counts", "train/ttt_loss.py",
+           'n = sums["count"].clamp(min=1)', 'n = torch.ones_like(sums["count"])',
+           ("tests/test_drafter.py::test_metrics_are_ratios_of_summed_counts",)),
+    Mutant("N6", "check_compat passes when a key is missing", "core/manifest.py",
+           "        if key not in have:", "        if False:",
+           ("tests/test_config.py::test_check_compat_refuses_a_missing_or_different_key",)),
+    Mutant("N7", "resume replays the epoch's first batches (skip_first_batches dropped)", "train/loop.py",
+           "            dl = accelerator.skip_first_batches(dl, skip)", "            pass", RESUME),
+    Mutant("N8", "verification accepts one draft too many", "core/decode.py",
+           "        new = _emitted(drafts[:a] + [verdict[a]]", "        new = _emitted(drafts[:a + 1] + [verdict[a]]",
+           ("tests/test_decode.py",)),
+    Mutant("N9", "the accepted tokens are re-read with the drafts' aux offset by one", "core/decode.py",
+           "d_logits, h = drafter(aux[:, : len(new)]", "d_logits, h = drafter(aux[:, 1: len(new) + 1]", ALIGN),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split("\0")
+    for f in filter(None, files):
+        src = ROOT / f
+        if src.is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+
+
+def pytest(tree: Path, tests: tuple[str, ...]) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                          cwd=tree, capture_output=True, text=True, env=env)
+    failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+    last = proc.stdout.strip().splitlines()[-1:] or [""]
+    return proc.returncode, (failed or last)[0][:160]
+
+
+def run_mutant(m: Mutant) -> tuple[bool, int, str, float]:
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        path = tree / m.file
+        src = path.read_text()
+        if src.count(m.old) != 1:
+            raise SystemExit(f"mutant {m.name}: {m.file} holds {src.count(m.old)} copies of {m.old!r}, need exactly 1")
+        path.write_text(src.replace(m.old, m.new))
+        t = time.time()
+        rc, detail = pytest(tree, m.tests)
+        return rc == 1, rc, detail, time.time() - t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated mutant names")
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the named tests")
+    args = ap.parse_args()
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:4} {m.file:26} {m.what}  <- {' '.join(m.tests)}")
+        return 0
+    if not args.no_baseline:
+        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        with tempfile.TemporaryDirectory(prefix="mutant-baseline-") as tmp:
+            copy_tree(Path(tmp))
+            rc, detail = pytest(Path(tmp), tests)
+        print(f"baseline (no mutation): pytest exit {rc}: {detail}", flush=True)
+        if rc != 0:
+            print("the unmutated tests must pass first", file=sys.stderr)
+            return 2
+    print("| mutant | what | tests | result | pytest says |\n|---|---|---|---|---|", flush=True)
+    survivors = []
+    for m in chosen:
+        killed, rc, detail, secs = run_mutant(m)
+        if not killed:
+            survivors.append(m.name)
+        verdict = "killed" if killed else f"SURVIVED (exit {rc})"
+        tests = ", ".join(t.replace("tests/", "") for t in m.tests)
+        print(f"| {m.name} | {m.what} | {tests} | {verdict} ({secs:.0f} s) | {detail.replace('|', '/')} |", flush=True)
+    print(f"\n{len(chosen) - len(survivors)} of {len(chosen)} mutants killed"
+          + (f"; survivors: {', '.join(survivors)}" if survivors else ""))
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
