@@ -16,13 +16,39 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _process_umask() -> int:
+    """Read without changing it (os.umask can only set, and a set-and-restore races other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_process_umask()  # what open() gives a new file: 0644 under the usual umask 022
+
+
+def honour_umask(path: str | Path) -> None:
+    """Give `path` (or every file under it) the mode a plain open() would: some writers (safetensors'
+    save_file, tempfile) create 0600 files that a serving process of another user cannot read."""
+    path = Path(path)
+    for f in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        os.chmod(f, FILE_MODE)
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call write(tmp_path), fsync it, then rename over `path`. A crash leaves the old file or none."""
+    """Call write(tmp_path), fsync it, then rename over `path`. A crash leaves the old file or none.
+    The file gets the umask's mode whatever `write` created it with."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)
+        os.chmod(tmp, FILE_MODE)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

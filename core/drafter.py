@@ -67,6 +67,9 @@ class DrafterConfig:
             "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
             "tie_word_embeddings": False, "torch_dtype": "bfloat16",
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            # llama.cpp's converter reads only this top-level key and uses it as input-of-layer ids (our
+            # convention); SGLang captures from eagle_config and reads this key only to count layers
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
             # ours, for tools that read the input-of-layer convention (vLLM speculators: unshifted)
             "eagle3_training": {"aux_layers_input_convention": self.aux_layers,
                                 "target_model_type": self.target_model_type},
@@ -83,6 +86,12 @@ class DrafterConfig:
         if cfg.get("tie_word_embeddings"):
             raise ValueError("drafter config.json: tie_word_embeddings must be false")
         ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        top = cfg.get("eagle_aux_hidden_state_layer_ids")  # input-of-layer ids (llama.cpp, vLLM)
+        aux_layers = aux_layers_from_sglang(ids, target_model_type, target_num_layers) if ids or not top else top
+        if top and list(top) != aux_layers:
+            raise ValueError(f"drafter config.json: eagle_aux_hidden_state_layer_ids = {top} (input of layer) but "
+                             f"eagle_config's SGLang ids {ids} capture {aux_layers} on a {target_model_type} "
+                             "target: the engines would feed the drafter different layers")
         hidden = cfg["hidden_size"]
         rope = cfg.get("rope_parameters") or {}
         return cls(
@@ -92,7 +101,7 @@ class DrafterConfig:
             head_dim=cfg.get("head_dim") or hidden // cfg["num_attention_heads"],
             vocab_size=cfg["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
             target_hidden_size=cfg.get("target_hidden_size", hidden),
-            aux_layers=aux_layers_from_sglang(ids, target_model_type, target_num_layers),
+            aux_layers=aux_layers,
             target_model_type=target_model_type, rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from core.atomic_io import honour_umask
 from core.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 def resolve_precision(name: str) -> str:
     """"auto" -> "bf16" on GPUs and on CPUs with native bf16 matmul (AVX512-BF16 / AMX), else "no"
-    (fp32): elsewhere CPU bf16 matmul is emulated and ~200x slower (DESIGN.md)."""
+    (fp32): elsewhere CPU bf16 matmul is emulated, ~200x slower on an AVX2 machine (docs/PERFORMANCE.md)."""
     if name != "auto":
         return name
     if torch.cuda.is_available():
@@ -90,6 +91,7 @@ def _build_atomically(dest: Path, build) -> Path:
     tmp.mkdir(parents=True)
     try:
         build(tmp)
+        honour_umask(tmp)
         try:
             os.replace(tmp, dest)
         except OSError:  # another process won the race

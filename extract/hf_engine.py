@@ -1,6 +1,6 @@
 """In-process extraction: one batched forward with output_hidden_states per token budget.
 
-aux = concat(hidden_states[i] for i in aux_layers)  (input of decoder layer i; DESIGN.md convention)
+aux = concat(hidden_states[i] for i in aux_layers)  (input of decoder layer i: the convention of core/aux_layers.py)
 final = hidden_states[-1]                            (post-final-norm; teacher logits = lm_head(final))
 """
 

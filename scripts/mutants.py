@@ -8,7 +8,7 @@ of the work tree (tracked and untracked files, no venv) in a temp dir; the named
 there with `python -m pytest -x -q`. Killed = pytest exits 1 (a test failed). A pass, or any other
 exit (a collection error says the mutant broke the import, not the behaviour), is a survivor.
 Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, K1-K2 the two it
-found killed, N1-N9 guard what issue 9 added.
+found killed, N1-N11 guard what issue 9 (and the export fixes after it) added.
 """
 
 from __future__ import annotations
@@ -85,6 +85,12 @@ MUTANTS = [
            ("tests/test_decode.py",)),
     Mutant("N9", "the accepted tokens are re-read with the drafts' aux offset by one", "core/decode.py",
            "d_logits, h = drafter(aux[:, : len(new)]", "d_logits, h = drafter(aux[:, 1: len(new) + 1]", ALIGN),
+    Mutant("N10", "llama.cpp's top-level layer ids exported shifted by one", "core/drafter.py",
+           '"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),',
+           '"eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.aux_layers],', ("tests/test_aux_layers.py",)),
+    Mutant("N11", "atomic writes keep the writer's 0600 mode", "core/atomic_io.py",
+           "        os.chmod(tmp, FILE_MODE)\n", "",
+           ("tests/test_pipeline.py::test_outputs_are_readable_by_other_users",)),
 ]
 
 

@@ -34,3 +34,25 @@ def test_default_and_validation():
             resolve_aux_layers(bad, 30)
     with pytest.raises(ValueError, match="unknown"):
         sglang_layer_ids([2, 15, 27], "gpt2")
+
+
+@pytest.mark.parametrize("model_type, source, num_layers, aux", CASES)
+def test_every_engine_reads_the_trained_layers_from_one_export(model_type, source, num_layers, aux):
+    """One config.json, two conventions: SGLang captures from eagle_config (its real rule, run here),
+    llama.cpp's converter and vLLM read the top-level key as input-of-layer ids. Both must name `aux`,
+    and the loader must refuse a config whose two keys disagree (an id shifted by one)."""
+    from core.drafter import DrafterConfig
+
+    c = DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, vocab_size=100, draft_vocab_size=50, target_hidden_size=64, aux_layers=aux,
+                      target_model_type=model_type)
+    cfg = c.to_sglang()
+    assert sglang_capture_layers(source, cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"], num_layers) == aux
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == aux
+    assert DrafterConfig.from_sglang(cfg, model_type, num_layers).aux_layers == aux
+    shifted = {**cfg, "eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux]}
+    with pytest.raises(ValueError, match="the engines would feed the drafter different layers"):
+        DrafterConfig.from_sglang(shifted, model_type, num_layers)
+    # a drafter from a trainer that writes only the top-level key (vLLM speculators style)
+    only_top = {k: v for k, v in cfg.items() if k != "eagle_config"}
+    assert DrafterConfig.from_sglang(only_top, model_type, num_layers).aux_layers == aux

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from core.atomic_io import FILE_MODE
 from core.config import load_config
 from core.conversations import read_conversations
 from core.hidden_shards import HiddenShards
@@ -81,6 +82,18 @@ def test_exported_drafter_loads_in_sglang_and_captures_the_trained_layers(run):
     ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert sglang_capture_layers("llama.py", ids, 30) == [2, 15, 27]  # what the drafter was trained on
     assert check_drafter_tensor_names(load_file(str(run_dir / "drafter/model.safetensors"))) == []
+
+
+def test_outputs_are_readable_by_other_users(run):
+    """Files get the umask's mode (0644 under 022), not safetensors' 0600: a server running as another
+    user must read the drafter, checkpoints, shards and reports."""
+    _, run_dir, _, _ = run
+    files = [f for d in ("drafter", "train/checkpoints", "hidden", "conversations", "eval")
+             for f in (run_dir / d).rglob("*") if f.is_file() and not f.name.startswith(".")]
+    assert any(f.name == "model.safetensors" for f in files) and len(files) > 10
+    wrong = {str(f.relative_to(run_dir)): oct(f.stat().st_mode & 0o777) for f in files
+             if f.stat().st_mode & 0o777 != FILE_MODE}
+    assert not wrong, f"expected {oct(FILE_MODE)}: {wrong}"
 
 
 def test_training_logged_metrics_and_wandb_offline(run):

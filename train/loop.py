@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from core.atomic_io import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
+from core.atomic_io import append_jsonl, atomic_write_json, atomic_write_text, honour_umask, read_jsonl
 from core.config import RunConfig, to_dict
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.hidden_shards import HiddenShards
@@ -85,6 +85,7 @@ def save_checkpoint(accelerator: Accelerator, ckpt_root: Path, step: int, epoch:
     path = ckpt_root / f"step-{step:07d}"
     accelerator.save_state(str(path))
     if accelerator.is_main_process:
+        honour_umask(path)
         atomic_write_json(ckpt_root / "latest.json", {"path": path.name, "step": step, "epoch": epoch,
                                                        "batch": batch})
         for old in sorted(ckpt_root.glob("step-*"))[:-2]:
