@@ -1,0 +1,136 @@
+"""A real llama-server (llama.cpp) on loopback: built once from the cached tree, started as base or
+EAGLE-3 speculative server, queried with our exact prompt token ids, and read for its own
+speculative-decoding counters (/metrics).
+
+Prompts go to `/completion` as token ids, so both engines see the same sequence whatever either
+tokenizer would make of the text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from eval.llamacpp import LLAMACPP_BUILD
+
+# Portable AVX2 build: a -march=native build has died with SIGILL on these VMs.
+CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_CURL=OFF",
+               "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+               "-DGGML_F16C=ON", "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON"]  # the build dir is renamed into the cache
+
+
+def build_server(tree: Path, cache: Path) -> Path:
+    """<cache>/llama-server-b11434/bin/llama-server, built once (~15-20 min on 2 cores) into a temp
+    dir and renamed into place."""
+    dest = Path(cache) / f"llama-server-b{LLAMACPP_BUILD}"
+    binary = dest / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        for cmd in (["cmake", "-S", str(tree), "-B", str(tmp), *CMAKE_FLAGS],
+                    ["cmake", "--build", str(tmp), "--target", "llama-server", "-j", str(os.cpu_count() or 2)]):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+                raise RuntimeError(f"`{' '.join(cmd)}` failed (rc={proc.returncode}):\n{tail}")
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not binary.is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return binary
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """`with LlamaServer(binary, target_gguf, draft_gguf=..., k=5) as url:` a llama-server on a free
+    loopback port, ready (/health 200) on entry, stopped on exit. draft_gguf=None: the base server."""
+
+    def __init__(self, binary: Path, target_gguf: Path, draft_gguf: Path | None = None, k: int = 5,
+                 threads: int = 2, parallel: int = 1, ctx: int = 4096, timeout: float = 120.0):
+        self.port, self.timeout = _free_port(), timeout
+        self.cmd = [str(binary), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                    "--metrics", "-np", str(parallel), "-c", str(ctx), "-t", str(threads)]
+        if draft_gguf is not None:
+            self.cmd += ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
+                         "--spec-draft-p-min", "0"]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        self.log = tempfile.TemporaryFile()
+        env = {**os.environ, "LD_LIBRARY_PATH": str(Path(self.cmd[0]).parent)}  # its libllama/libggml .so files
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self._tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self.url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.__exit__(None, None, None)
+        raise TimeoutError(f"llama-server not ready after {self.timeout:.0f} s: {self._tail()}")
+
+    def _tail(self) -> str:
+        self.log.seek(0)
+        return " | ".join(self.log.read().decode(errors="replace").strip().splitlines()[-8:])
+
+    def __exit__(self, *_):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def complete(url: str, prompt_ids: list[int], max_new_tokens: int, timeout: float = 600.0) -> dict:
+    """Greedy completion of exact token ids -> {"tokens", "timings", "stop_type", ...}."""
+    body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
+            "return_tokens": True, "cache_prompt": False}
+    r = httpx.post(f"{url}/completion", json=body, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+_METRIC = re.compile(r'^llamacpp:(spec_decode_\w+?)(?:\{position="(\d+)"\})? ([0-9.eE+-]+)$')
+
+
+def spec_counters(url: str) -> dict:
+    """/metrics -> {"drafts", "draft_tokens", "accepted", "accepted_per_pos": [..]} (running totals)."""
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": []}
+    names = {"spec_decode_num_drafts_total": "drafts", "spec_decode_num_draft_tokens_total": "draft_tokens",
+             "spec_decode_num_accepted_tokens_total": "accepted"}
+    per_pos = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = _METRIC.match(line.strip())
+        if not m:
+            continue
+        if m.group(2) is not None:
+            per_pos[int(m.group(2))] = float(m.group(3))
+        elif m.group(1) in names:
+            out[names[m.group(1)]] = float(m.group(3))
+    out["accepted_per_pos"] = [per_pos[i] for i in sorted(per_pos)]
+    return out

@@ -1,0 +1,102 @@
+"""Our drafter in a real engine: llama.cpp's llama-server, base vs EAGLE-3 speculative, beside our HF
+engine's τ on the same prompt token ids (greedy, batch 1, concurrency 1).
+
+    python scripts/bench_llamacpp_spec.py --drafter runs/smollm2-135m-instruct/drafter \
+        [--prompts heldout|FILE.jsonl] [--k 2,3,5,7] [--outtype f32,f16,q8_0] [--max-prompts 16]
+
+The target is the embedded SmolLM2 GGUF (Q4_1) that our fp32 target is dequantized from; the drafter
+is converted by llama.cpp's own convert_hf_to_gguf.py. τ (llama.cpp) = 1 + Δaccepted / Δdrafts from
+its /metrics counters; τ (ours) = mean tokens per verification of core.decode.speculative_generate.
+Tokens/s = the server's own decode timing (predicted_n / predicted_ms), summed over prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from core.config import load_config  # noqa: E402
+from core.decode import speculative_generate  # noqa: E402
+from core.drafter import Eagle3Drafter  # noqa: E402
+from core.target import (  # noqa: E402
+    cache_root,
+    embedded_gguf_path,
+    end_of_turn_ids,
+    load_target,
+    load_target_embeddings,
+    resolve_target,
+    target_info,
+)
+from eval.llamacpp import convert_drafter, llamacpp_tree  # noqa: E402
+from eval.llamacpp_server import LlamaServer, build_server, complete, spec_counters  # noqa: E402
+from eval.run import eval_prompts  # noqa: E402
+
+
+def run_server(url: str, items, n: int) -> tuple[list[list[int]], float, float]:
+    """-> (generated ids per prompt, tokens/s of decode, generated tokens)."""
+    outs, tokens, ms = [], 0, 0.0
+    for _, ids in items:
+        r = complete(url, ids, n)
+        outs.append(r["tokens"])
+        tokens += r["timings"]["predicted_n"]
+        ms += r["timings"]["predicted_ms"]
+    return outs, 1000 * tokens / ms, tokens
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--config", default="configs/smollm2-135m-instruct.yaml")
+    ap.add_argument("--prompts", default=None, help="prompt file (default: the config's held-out prompts)")
+    ap.add_argument("--k", default="2,3,5,7")
+    ap.add_argument("--outtype", default="f32")
+    ap.add_argument("--max-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    args = ap.parse_args()
+    cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
+    model, tok = load_target(cfg)
+    info = target_info(cfg)
+    drafter = Eagle3Drafter.from_pretrained(Path(args.drafter), load_target_embeddings(cfg).embed, info.model_type,
+                                            info.num_layers).eval()
+    stop = end_of_turn_ids(tok, model.generation_config)
+    items = eval_prompts(cfg, tok, args.prompts)
+    n = args.max_new_tokens
+    cache = cache_root(cfg)
+    tree = llamacpp_tree(cache)
+    binary = build_server(tree, cache)
+    target_gguf = embedded_gguf_path()
+    with LlamaServer(binary, target_gguf) as url:
+        base_out, base_tps, _ = run_server(url, items, n)
+    print(f"base llama-server: {base_tps:.1f} tok/s decode, {len(items)} prompts x <= {n} tokens", flush=True)
+    print("| drafter GGUF | K | τ llama.cpp | per-position acceptance | τ ours (HF engine) | spec tok/s | speedup "
+          "| outputs equal base |\n|---|---|---|---|---|---|---|---|", flush=True)
+    ks = [int(k) for k in args.k.split(",")]
+    ours = {}
+    for k in ks:
+        lengths = [a for _, ids in items for a in speculative_generate(model, drafter, ids, n, stop, k).accept_lengths]
+        ours[k] = sum(lengths) / max(1, len(lengths))
+    with tempfile.TemporaryDirectory() as tmp:
+        for outtype in args.outtype.split(","):
+            gguf = convert_drafter(tree, Path(args.drafter), resolve_target(cfg), Path(tmp) / f"draft-{outtype}.gguf",
+                                   outtype)
+            size = gguf.stat().st_size / 1e6
+            for k in ks:
+                with LlamaServer(binary, target_gguf, gguf, k=k) as url:
+                    before = spec_counters(url)
+                    outs, tps, _ = run_server(url, items, n)
+                    after = spec_counters(url)
+                drafts = after["drafts"] - before["drafts"]
+                tau = 1 + (after["accepted"] - before["accepted"]) / max(1.0, drafts)
+                pos = " ".join(f"{(a - b) / max(1.0, drafts):.2f}" for a, b in
+                               zip(after["accepted_per_pos"], before["accepted_per_pos"] + [0.0] * k, strict=False))
+                same = sum(o == b for o, b in zip(outs, base_out, strict=True))
+                print(f"| {outtype} ({size:.1f} MB) | {k} | {tau:.3f} | {pos} | {ours[k]:.3f} | {tps:.1f} | "
+                      f"{tps / base_tps:.2f}x | {same}/{len(items)} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
