@@ -61,3 +61,10 @@ def masked_spans(tok, ids: list[int], mask: list[int]) -> list[str]:
             spans.append(tok.decode(cur))
             cur = []
     return spans + ([tok.decode(cur)] if cur else [])
+
+
+def trained_next(loss_mask) -> list[bool]:
+    """The teacher-position rule, restated independently of core.hidden_shards.teacher_positions so
+    that tests check it: position j is a teacher target iff token j+1 is trained on."""
+    m = [bool(x) for x in loss_mask]
+    return m[1:] + [False]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from core.hidden_shards import INDEX, HiddenShards, ShardWriter, shard_name
+from tests.conftest import trained_next
 
 H = 8
 
@@ -129,8 +130,7 @@ def test_loss_spans_keep_final_only_where_the_loss_reads_it(tmp_path, dtype):
     assert full.final_everywhere and not sparse.final_everywhere
     for sid, (_, mask, _, _) in samples.items():
         a, b = full.load(sid), sparse.load(sid)
-        need = torch.zeros(len(mask), dtype=torch.bool)
-        need[:-1] = mask[1:].bool()
+        need = torch.tensor(trained_next(mask.tolist()))
         assert torch.equal(a["aux"], b["aux"]) and torch.equal(a["final"][need], b["final"][need])
         assert not b["final"][~need].any() and b["final"][need].abs().sum() > 0
     size = {k: sum(p.stat().st_size for p in (tmp_path / k).glob("shard-*")) for k in ("all", "loss")}
