@@ -29,16 +29,19 @@ class Generation:
 
 
 def new_cache(model, max_len: int) -> StaticCache:
-    return StaticCache(config=model.config, max_cache_len=max_len)
+    """A static cache whose layers `_seek` can move: full attention only (checked once, here)."""
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    for layer in cache.layers:
+        if not hasattr(layer, "cumulative_length") or getattr(layer, "is_sliding", False):
+            raise ValueError(f"decode engine: {type(layer).__name__} cache layers are not supported (sliding "
+                             "window or non-static attention); use a full-attention target")
+    return cache
 
 
 def _seek(cache: StaticCache, slot: int) -> None:
     """Make the next write land at `slot`: transformers' static layers append at their running length
     (and mask by it), so moving it back is the rollback, and the forward's writes overwrite the slots."""
     for layer in cache.layers:
-        if not hasattr(layer, "cumulative_length") or getattr(layer, "is_sliding", False):
-            raise ValueError(f"decode engine: {type(layer).__name__} cache layers are not supported (sliding "
-                             "window or non-static attention); use a full-attention target")
         layer.cumulative_length.fill_(slot)
 
 

@@ -78,10 +78,24 @@ def copy_bandwidth(device) -> float:
     return 2 * x.numel() * 4 / timed(lambda: y.copy_(x), device, repeats=5)
 
 
-def bench_decode(model, prompt_len=128, new=64, k=5):
-    from core.drafter import DraftCache, DrafterConfig, Eagle3Drafter
+def target_shaped_drafter(cfg, model, vd: int):
+    """A drafter of the target's shape (train's own build_drafter) over the first `vd` token ids, its
+    default aux layers -> (drafter on the model's device, target head, draft_ids, t2d)."""
+    from core.target import load_target_embeddings
+    from train.loop import build_drafter
 
-    device, c = model.device, model.config
+    target = load_target_embeddings(cfg)
+    draft_ids = torch.arange(vd)
+    t2d = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    t2d[:vd] = True
+    n = model.config.num_hidden_layers
+    return build_drafter(cfg, [2, n // 2, n - 3], draft_ids, t2d, target).to(model.device), target, draft_ids, t2d
+
+
+def bench_decode(cfg, model, prompt_len=128, new=64, k=5):
+    from core.drafter import DraftCache
+
+    device = model.device
     prompt = torch.randint(100, 20000, (prompt_len,)).tolist()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bound = copy_bandwidth(device) / weight_bytes
@@ -90,12 +104,7 @@ def bench_decode(model, prompt_len=128, new=64, k=5):
     tps = (new - 1) / (t - t_prefill)
     print(f"decode: greedy batch 1 {tps:.1f} tok/s = {tps / bound:.1%} of the bandwidth bound {bound:.1f} tok/s "
           f"({weight_bytes / 1e6:.0f} MB of weights per token)")
-    n = c.num_hidden_layers
-    d = Eagle3Drafter(DrafterConfig(
-        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
-        vocab_size=c.vocab_size, draft_vocab_size=4096, target_hidden_size=c.hidden_size,
-        aux_layers=[2, n // 2, n - 3])).to(device, model.dtype).eval()
+    d = target_shaped_drafter(cfg, model, 4096)[0].to(dtype=model.dtype).eval()
     max_len = prompt_len + 2 * (k + 1)
     cache, dcache = new_cache(model, max_len), DraftCache(max_len)
     with torch.inference_mode():
@@ -133,20 +142,12 @@ def bench_extract(model, peak, batch=4, seq=512):
 
 
 def bench_train(cfg, model, peak, batch=4, seq=512, steps=5, vd=8192):
-    from train.loop import build_drafter
     from train.ttt_loss import TTTObjective, teacher_targets
 
     device, h = model.device, model.config.hidden_size
     v = model.config.vocab_size
-    from core.target import load_target_embeddings
-
-    target = load_target_embeddings(cfg)
+    d, target, draft_ids, t2d = target_shaped_drafter(cfg, model, vd)
     head = target.lm_head.to(device)
-    draft_ids = torch.arange(vd)
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[:vd] = True
-    n = model.config.num_hidden_layers
-    d = build_drafter(cfg, [2, n // 2, n - 3], draft_ids, t2d, target).to(device)
     obj = TTTObjective(d, steps, 0.8)
     aux = torch.randn(batch, seq, 3 * h, device=device)
     final = torch.randn(batch, seq, h, device=device)
@@ -183,7 +184,7 @@ def main() -> None:
     if args.stage in ("generate", "all"):
         bench_generate(model, peak)
     if args.stage in ("decode", "all"):
-        bench_decode(model)
+        bench_decode(cfg, model)
     if args.stage in ("extract", "all"):
         bench_extract(model, peak)
     if args.stage in ("train", "all"):
