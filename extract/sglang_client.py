@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import stat
 import time
 from collections import Counter
 from pathlib import Path
@@ -33,7 +34,16 @@ class DumpMismatch(SampleMismatch):
 
 
 def dump_dir_bytes(dump_dir: Path) -> int:
-    return sum(p.stat().st_size for p in Path(dump_dir).iterdir() if p.is_file())
+    """Bytes of the files in the dump dir. A file listed but gone by the time it is measured (the
+    server renaming its temp into place, a consumed dump deleted) is skipped, not an error."""
+    total = 0
+    for p in Path(dump_dir).iterdir():
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 def check_meta(meta: dict, rid: str, n_tokens: int) -> None:

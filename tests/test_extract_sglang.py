@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +158,17 @@ def test_fp8_loss_span_shards_through_the_double_train_and_stats(served, convers
     h = target_info(load_config(ROOT / TINY)).hidden_size
     ratio = float(out.split(f"(8H+5  = {8 * h + 5:,} B/token): ")[1].split("x")[0])
     assert 0.3 < ratio <= 0.55 and "at Kimi-K2.5 (H=7168)" in out
+
+
+def test_dump_dir_bytes_skips_a_file_renamed_while_it_is_measured(tmp_path, monkeypatch):
+    """The server renames `.tmp` dumps into place while the client sums the dir: a listed file that is
+    gone by its stat() counts as nothing instead of aborting the whole extraction."""
+    from extract.sglang_client import dump_dir_bytes
+
+    (tmp_path / "eagle3-a.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "sub").mkdir()
+    listed = [*tmp_path.iterdir(), tmp_path / ".eagle3-b.safetensors.tmp123"]  # renamed away meanwhile
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter(listed))
+    real_is_file = Path.is_file  # the ghost was still a file when a checker looked
+    monkeypatch.setattr(Path, "is_file", lambda self: self.name.endswith(".tmp123") or real_is_file(self))
+    assert dump_dir_bytes(tmp_path) == 100
