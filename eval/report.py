@@ -1,4 +1,5 @@
-"""Turn per-prompt eval results into report.json, a slide-ready report.md and PNG plots."""
+"""Turn eval results into report.json, a slide-ready report.md and PNG plots, for every engine: our HF
+engine alone, or a serving engine (llama.cpp, vLLM, SGLang) beside it."""
 
 from __future__ import annotations
 
@@ -33,13 +34,62 @@ def summarize(results: list[dict], draft_steps: int) -> dict:
     }
 
 
+def server_summary(server: dict, draft_steps: int) -> dict:
+    """The report contract's fields from a serving engine, taken at its lowest concurrency level
+    (batch-1 figures, comparable with the HF engine's); every level stays in report["server"]."""
+    first = min(server["levels"], key=lambda lv: lv["concurrency"])
+    return {
+        "acceptance_length": first["acceptance_length"],
+        "per_position_acceptance": first["per_position_acceptance"] or [],
+        "outputs_match_baseline": all(lv["outputs_equal"] == server["num_prompts"] for lv in server["levels"]),
+        "tokens_per_s_baseline": first["base"]["tokens_per_s"], "tokens_per_s_spec": first["spec"]["tokens_per_s"],
+        "speedup": first["speedup"], "num_prompts": server["num_prompts"], "draft_steps": draft_steps,
+        "temperature": 0.0,
+    }
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _positions(values) -> str:
+    return " ".join(f"{p:.2f}" for p in values) if values else "n/a (engine has no per-position counter)"
+
+
+def _server_section(r: dict) -> str:
+    s = r["server"]
+    lines = [f"## Served by {s['server_type']}: base server vs the same server with the drafter", "",
+             _row(["requests in flight", "base tok/s", "spec tok/s", "speedup", "τ (engine's counters)",
+                   "latency base → spec (s)", "TTFT base → spec (s)", "outputs equal base"]),
+             "|---|---|---|---|---|---|---|---|"]
+    for lv in s["levels"]:
+        b, sp = lv["base"], lv["spec"]
+        lines.append(_row([lv["concurrency"], f"{b['tokens_per_s']:.1f}", f"{sp['tokens_per_s']:.1f}",
+                           f"**{lv['speedup']:.2f}x**", f"**{lv['acceptance_length']:.3f}**",
+                           f"{b['mean_latency_s']:.2f} → {sp['mean_latency_s']:.2f}",
+                           f"{b['mean_ttft_s']:.3f} → {sp['mean_ttft_s']:.3f}",
+                           f"{lv['outputs_equal']}/{s['num_prompts']}"]))
+    lines += ["", "Tokens/s = output tokens of all prompts / wall time of the level. "
+              f"{s['num_prompts']} prompts x ≤ {s['max_new_tokens']} new tokens, greedy, prompts sent as token ids.",
+              "", "![throughput](throughput.png)", ""]
+    hf = r.get("hf_engine")
+    if hf:
+        lines += ["## The same drafter and prompts in both engines (concurrency 1)", "",
+                  _row(["engine", "τ", "per-position acceptance", "speedup", "outputs equal base"]), "|---|---|---|---|---|",
+                  _row([s["server_type"], f"{r['acceptance_length']:.3f}", _positions(r["per_position_acceptance"]),
+                        f"{r['speedup']:.2f}x", r["outputs_match_baseline"]]),
+                  _row(["ours (HF engine)", f"{hf['acceptance_length']:.3f}", _positions(hf["per_position_acceptance"]),
+                        f"{hf['speedup']:.2f}x", hf["outputs_match_baseline"]]), ""]
+    return "\n".join(lines)
+
+
 def _markdown(r: dict) -> str:
-    pos = " | ".join(f"{p:.2f}" for p in r["per_position_acceptance"])
-    head = " | ".join(f"draft {i + 1}" for i in range(r["draft_steps"]))
-    return f"""# EAGLE-3 drafter: speculative decoding report
+    k = r["draft_steps"]
+    where = "batch 1" if r["engine"] == "hf" else "see the concurrency table"
+    text = f"""# EAGLE-3 drafter: speculative decoding report
 
 Target `{r['target']}` on `{r['device']}`, drafter `{r['drafter']}`, prompts `{r['prompts']}`,
-greedy (T={r['temperature']}), batch 1, chain of {r['draft_steps']} drafts per verification.
+greedy (T={r['temperature']}), {where}, chain of {k} drafts per verification.
 
 | metric | value |
 |---|---|
@@ -47,28 +97,58 @@ greedy (T={r['temperature']}), batch 1, chain of {r['draft_steps']} drafts per v
 | speedup vs plain target decode | **{r['speedup']:.2f}x** |
 | tokens/s baseline → speculative | {r['tokens_per_s_baseline']:.1f} → {r['tokens_per_s_spec']:.1f} |
 | outputs identical to greedy baseline | {r['outputs_match_baseline']} |
-| prompts / verifications / tokens | {r['num_prompts']} / {r['verify_steps']} / {r['generated_tokens']} |
+| prompts | {r['num_prompts']} |
 
 Per-position acceptance (fraction of verifications that accepted draft i):
 
-| {head} |
-|{'---|' * r['draft_steps']}
-| {pos} |
+{_row(f"draft {i + 1}" for i in range(k))}
+|{'---|' * k}
+{_row(f"{p:.2f}" for p in r['per_position_acceptance']) if r['per_position_acceptance'] else '(not counted)'}
 
 ![acceptance](acceptance.png)
+
 """
+    return text + (_server_section(r) if "server" in r else "")
 
 
-def _plot(r: dict, out: Path) -> None:
+def _plot_acceptance(r: dict, out: Path) -> None:
     k = r["draft_steps"]
+    hf = r.get("hf_engine", r if r["engine"] == "hf" else None)
+    bars = [(r["server"]["server_type"], r["per_position_acceptance"])] if "server" in r else []
+    if hf:
+        bars.append(("ours (HF engine)", hf["per_position_acceptance"]))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax1.bar(range(1, k + 1), r["per_position_acceptance"], color="#3b7dd8")
+    width = 0.8 / max(1, len(bars))
+    for j, (name, values) in enumerate(bars):
+        if values:
+            ax1.bar([i + 1 + (j - (len(bars) - 1) / 2) * width for i in range(len(values))], values, width, label=name)
     ax1.set(title="accepted at draft position", xlabel="draft position", ylabel="fraction of verifications",
-            ylim=(0, 1))
-    ax2.bar(range(1, k + 2), r["accept_length_histogram"], color="#e0833a")
-    ax2.axvline(r["acceptance_length"], color="black", linestyle="--", label=f"τ = {r['acceptance_length']:.2f}")
-    ax2.set(title="tokens per verification", xlabel="accepted + bonus", ylabel="count")
-    ax2.legend()
+            ylim=(0, 1), xticks=range(1, k + 1))
+    ax1.legend()
+    if hf:
+        ax2.bar(range(1, k + 2), hf["accept_length_histogram"], color="#e0833a")
+        ax2.axvline(hf["acceptance_length"], color="black", linestyle="--", label=f"τ = {hf['acceptance_length']:.2f}")
+        ax2.set(title="tokens per verification (HF engine)", xlabel="accepted + bonus", ylabel="count",
+                xticks=range(1, k + 2))
+        ax2.legend()
+    else:
+        ax2.axis("off")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _plot_throughput(s: dict, out: Path) -> None:
+    levels = [lv["concurrency"] for lv in s["levels"]]
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for key, label, color in (("base", "base server", "#888888"), ("spec", "with drafter", "#3b7dd8")):
+        ax.plot(levels, [lv[key]["tokens_per_s"] for lv in s["levels"]], "o-", color=color, label=label)
+    for lv in s["levels"]:
+        ax.annotate(f"τ {lv['acceptance_length']:.2f}", (lv["concurrency"], lv["spec"]["tokens_per_s"]),
+                    textcoords="offset points", xytext=(4, 6), fontsize=8)
+    ax.set(title=f"{s['server_type']}: output tokens/s vs requests in flight", xlabel="concurrency",
+           ylabel="tokens/s", xticks=levels, ylim=(0, None))
+    ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -79,4 +159,6 @@ def write_report(out_dir: Path, report: dict, results: list[dict]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "report.json", {**report, "per_prompt": results})
     atomic_write_text(out_dir / "report.md", _markdown(report))
-    _plot(report, out_dir / "acceptance.png")
+    _plot_acceptance(report, out_dir / "acceptance.png")
+    if "server" in report:
+        _plot_throughput(report["server"], out_dir / "throughput.png")

@@ -1,10 +1,15 @@
-"""Measure speculative decoding with a drafter against the plain target (greedy, batch 1).
+"""Measure speculative decoding with a drafter against the plain target (greedy).
 
-    python -m eval --config configs/smollm2-135m-instruct.yaml
+    python -m eval --config configs/smollm2-135m-instruct.yaml                 # our HF engine, batch 1
+    python -m eval --engine llamacpp                 # + the drafter served by llama.cpp, concurrency 1 and 4
+    python -m eval --engine server --server-type vllm --base URL --spec URL    # any running pair of servers
     python -m eval --prompts ../shared/data/mt_bench/question.jsonl --draft runs/x/drafter --out /tmp/mt
 
-Per prompt: baseline greedy decode and chain speculative decode (K = eval.draft_steps drafts per
+hf: per prompt, baseline greedy decode and chain speculative decode (K = eval.draft_steps drafts per
 target verification), both timed after a warm-up, outputs compared token for token.
+llamacpp: the drafter converted by llama.cpp's own converter, a base and a speculative llama-server
+started on loopback, the same prompt ids sent to both at each concurrency level (eval/server_eval.py),
+and the hf engine run on the same prompts, so both engines' τ stand side by side.
 Writes report.json, report.md and PNG plots to <run>/eval (or --out).
 """
 
@@ -23,10 +28,21 @@ from core.config import RunConfig
 from core.decode import generate, speculative_generate
 from core.drafter import Eagle3Drafter
 from core.prompts import load_prompt_file, load_prompts
-from core.target import end_of_turn_ids, load_target, load_target_embeddings, target_info
-from eval.report import summarize, write_report
+from core.target import (
+    cache_root,
+    end_of_turn_ids,
+    load_target,
+    load_target_embeddings,
+    load_tokenizer,
+    resolve_target,
+    target_info,
+)
+from eval.llamacpp_server import served_by_llamacpp
+from eval.report import server_summary, summarize, write_report
+from eval.server_eval import SERVER_TYPES, compare_servers
 
 log = logging.getLogger("eval")
+ENGINES = ("hf", "llamacpp", "server")
 
 
 def add_eval_args(p) -> None:
@@ -35,6 +51,18 @@ def add_eval_args(p) -> None:
     p.add_argument("--out", default=None, help="report dir (default <run>/eval)")
     p.add_argument("--max-prompts", type=int, default=None, help="overrides eval.max_prompts")
     p.add_argument("--max-new-tokens", type=int, default=None, help="overrides eval.max_new_tokens")
+    p.add_argument("--engine", choices=ENGINES, default=None, help="overrides eval.engine")
+    p.add_argument("--server-type", choices=SERVER_TYPES, default=None, help="overrides eval.server_type")
+    p.add_argument("--base", default=None, help="base server root URL (engine server; overrides eval.base_url)")
+    p.add_argument("--spec", default=None, help="speculative server root URL (engine server; eval.spec_url)")
+    p.add_argument("--concurrency", default=None, help="comma list, e.g. 1,4,16 (overrides eval.concurrency)")
+
+
+def cli_overrides(args) -> dict:
+    """The eval CLI flags as eval.* config fields (None: keep the config's)."""
+    levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else None
+    return {"engine": args.engine, "server_type": args.server_type, "base_url": args.base, "spec_url": args.spec,
+            "concurrency": levels, "max_prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens}
 
 
 def eval_prompts(cfg: RunConfig, tokenizer, prompt_file: str | None) -> list[tuple[str, list[int]]]:
@@ -62,33 +90,59 @@ def _timed(fn):
     return out, time.perf_counter() - t
 
 
-def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, out: str | None = None,
-         max_prompts: int | None = None, max_new_tokens: int | None = None) -> dict:
-    ev = cfg.eval
-    ev.max_prompts = max_prompts or ev.max_prompts
-    ev.max_new_tokens = max_new_tokens or ev.max_new_tokens
-    draft_dir = Path(draft) if draft else cfg.run_path / "drafter"
-    out_dir = Path(out) if out else cfg.run_path / "eval"
+def hf_eval(cfg: RunConfig, items: list[tuple[str, list[int]]], draft_dir: Path) -> tuple[dict, list[dict]]:
+    """Our engine: baseline vs chain speculative decode per prompt, batch 1 -> (summary, per-prompt rows)."""
     model, tok = load_target(cfg)
     info = target_info(cfg)
     drafter = Eagle3Drafter.from_pretrained(draft_dir, load_target_embeddings(cfg).embed, info.model_type,
                                             info.num_layers).to(model.device, model.dtype).eval()
     stop = end_of_turn_ids(tok, model.generation_config)
-    items = eval_prompts(cfg, tok, prompts)
-    k, n = ev.draft_steps, ev.max_new_tokens
+    k, n = cfg.eval.draft_steps, cfg.eval.max_new_tokens
     # warm-up (allocator, kernels) kept out of the timings
     generate(model, [items[0][1]], 4, stop)
     speculative_generate(model, drafter, items[0][1], 4, stop, k)
     results = []
-    for pid, ids in tqdm(items, desc="eval", unit="prompt"):
+    for pid, ids in tqdm(items, desc="eval (hf engine)", unit="prompt"):
         base, t_base = _timed(lambda ids=ids: generate(model, [ids], n, stop)[0])
         spec, t_spec = _timed(lambda ids=ids: speculative_generate(model, drafter, ids, n, stop, k))
         results.append({"id": pid, "prompt_tokens": len(ids), "tokens": len(spec.tokens),
                         "match": base.tokens == spec.tokens, "accept_lengths": spec.accept_lengths,
                         "time_baseline_s": t_base, "time_spec_s": t_spec, "baseline_tokens": len(base.tokens)})
-    report = summarize(results, k)
-    report.update({"target": cfg.target.model, "drafter": str(draft_dir), "device": str(model.device),
-                   "prompts": prompts or ev.prompts, "max_new_tokens": n})
+    return {**summarize(results, k), "device": str(model.device)}, results
+
+
+def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, out: str | None = None,
+         **overrides) -> dict:
+    ev = cfg.eval
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(ev, key, value)
+    if ev.engine not in ENGINES:
+        raise ValueError(f"eval.engine must be one of {ENGINES}, got {ev.engine!r}")
+    draft_dir = Path(draft) if draft else cfg.run_path / "drafter"
+    out_dir = Path(out) if out else cfg.run_path / "eval"
+    items = eval_prompts(cfg, load_tokenizer(cfg), prompts)
+    k, n = ev.draft_steps, ev.max_new_tokens
+    report = {"engine": ev.engine, "target": cfg.target.model, "drafter": str(draft_dir),
+              "prompts": prompts or ev.prompts, "max_new_tokens": n}
+    results: list[dict] = []
+    if ev.engine == "server":
+        if not (ev.base_url and ev.spec_url):
+            raise ValueError("eval.engine=server needs both --base URL and --spec URL (eval.base_url, eval.spec_url)")
+        server = compare_servers(ev.base_url.rstrip("/"), ev.spec_url.rstrip("/"), items, n, ev.concurrency,
+                                 ev.server_type)
+        report.update({**server_summary(server, k), "device": f"{ev.server_type} servers", "server": server})
+    else:
+        hf, results = hf_eval(cfg, items, draft_dir)
+        report.update(hf)
+        if ev.engine == "llamacpp":
+            gguf_dir = out_dir / "llamacpp"
+            with served_by_llamacpp(cache_root(cfg), resolve_target(cfg), draft_dir, gguf_dir, k,
+                                    max(ev.concurrency), ev.gguf_outtype, ev.target_gguf,
+                                    cfg.target.model) as (base_url, spec_url):
+                server = compare_servers(base_url, spec_url, items, n, ev.concurrency, "llamacpp")
+            report.update({"hf_engine": {key: report[key] for key in hf}, **server_summary(server, k),
+                           "device": "llama.cpp b11434 llama-server, CPU", "server": server})
     write_report(out_dir, report, results)
     log.info("acceptance length %.3f at K=%d, speedup %.2fx, outputs match baseline: %s; report in %s",
              report["acceptance_length"], k, report["speedup"], report["outputs_match_baseline"], out_dir)

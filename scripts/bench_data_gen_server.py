@@ -8,7 +8,7 @@ tokenization, parquet parts).
                                                                   # double) answering every request in 0.2 s
 
 The ratio's ceiling is the server's: one that batches requests (SGLang, vLLM) scales with concurrency,
-one that runs them one at a time (llama-cpp-python's server) stays near 1.0x.
+llama-server batches its `-np` slots (here one per request in flight) on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -58,11 +58,11 @@ def main() -> None:
         server = contextlib.nullcontext(fake.__enter__().url)
         args.base_url = f"scripted test double, {args.fake_latency} s per request"
     else:
-        server = contextlib.nullcontext(args.base_url) if args.base_url else llamacpp_server()
+        server = contextlib.nullcontext(args.base_url) if args.base_url else llamacpp_server(parallel=max(levels))
     with server as url, tempfile.TemporaryDirectory() as tmp:
         results = {c: run_once(url, c, args.samples, args.max_new_tokens, Path(tmp) / f"c{c}") for c in levels}
     base = results[levels[0]]
-    print(f"server {args.base_url or 'llama.cpp (llama-cpp-python 0.3.36, SmolLM2-135M Q4_1 GGUF, 2 threads)'}; "
+    print(f"server {args.base_url or 'llama-server b11434 (SmolLM2-135M Q4_1 GGUF, 2 threads, one slot per request in flight)'}; "
           f"{args.samples} ShareGPT prompts x <= {args.max_new_tokens} new tokens per level")
     for c, r in results.items():
         print(f"concurrency {c:>3}: {r['requests_per_s']:6.2f} req/s  {r['tokens_per_s']:7.1f} tok/s  "

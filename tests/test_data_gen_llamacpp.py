@@ -1,5 +1,5 @@
 """data_gen's `openai` backend against a real OpenAI-compatible server: llama.cpp serving the embedded
-SmolLM2 GGUF on loopback (installed by `make llamacpp`, which `make test` runs)."""
+SmolLM2 GGUF on loopback: the real llama-server b11434 (built by `make llamacpp`, which `make test` runs)."""
 
 import json
 
@@ -15,9 +15,8 @@ from tests.conftest import ROOT, masked_spans
 
 
 @pytest.fixture(scope="module")
-def server_url(tmp_path_factory):
-    log = tmp_path_factory.mktemp("llamacpp") / "server.log"
-    with llamacpp_server(n_ctx=2048, log_path=log) as url:
+def server_url():
+    with llamacpp_server(n_ctx=1024, parallel=4) as url:
         yield url
 
 

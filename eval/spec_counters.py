@@ -1,0 +1,67 @@
+"""Each serving engine's own count of speculative decoding, turned into τ and per-position acceptance
+over a window of requests.
+
+llama.cpp (`llamacpp:` prefix, with --metrics) and vLLM (`vllm:`) keep Prometheus counters on
+/metrics: drafts made, tokens drafted, tokens accepted, and accepted per draft position. Over a window,
+τ = 1 + Δaccepted / Δdrafts and acceptance at position i = Δaccepted_pos[i] / Δdrafts. SGLang counts
+per request instead: its `meta_info` carries `completion_tokens` and `spec_verify_ct` (target
+verifications), and its own τ is completion_tokens / spec_verify_ct; it has no per-position counter.
+"""
+
+from __future__ import annotations
+
+import re
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_COUNTERS = {"spec_decode_num_drafts_total": "drafts", "spec_decode_num_draft_tokens_total": "draft_tokens",
+             "spec_decode_num_accepted_tokens_total": "accepted"}
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
+PROMETHEUS_PREFIX = {"llamacpp": "llamacpp:", "vllm": "vllm:"}
+
+
+def prometheus_spec_counters(text: str, prefix: str) -> dict:
+    """Running totals from a /metrics page -> {"drafts", "draft_tokens", "accepted", "accepted_per_pos"},
+    summed over every other label (vLLM has one series per engine and model)."""
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if not m or not m.group(1).startswith(prefix):
+            continue
+        name, value = m.group(1)[len(prefix):], float(m.group(3))
+        if name == _PER_POS:
+            labels = dict(_LABEL.findall(m.group(2) or ""))
+            if "position" not in labels:
+                raise ValueError(f"/metrics: {m.group(1)} sample without a position label: {line.strip()!r}")
+            pos = int(labels["position"])
+            per_pos[pos] = per_pos.get(pos, 0.0) + value
+        elif name in _COUNTERS:
+            out[_COUNTERS[name]] += value
+    out["accepted_per_pos"] = [per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)] if per_pos else []
+    return out
+
+
+def counter_window(before: dict, after: dict) -> dict:
+    """τ and per-position acceptance of what happened between two /metrics readings."""
+    drafts = after["drafts"] - before["drafts"]
+    if drafts <= 0:
+        raise ValueError("the speculative server made no drafts in this window: is drafting on "
+                         "(llama.cpp: --spec-type draft-eagle3; vLLM: --speculative-config)?")
+    prev = before["accepted_per_pos"] + [0.0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    return {"acceptance_length": 1 + (after["accepted"] - before["accepted"]) / drafts,
+            "per_position_acceptance": [(a - b) / drafts for a, b in zip(after["accepted_per_pos"], prev, strict=True)],
+            "verifications": drafts, "draft_tokens": after["draft_tokens"] - before["draft_tokens"]}
+
+
+def sglang_window(meta_infos: list[dict]) -> dict:
+    """SGLang's τ over requests: Σ completion_tokens / Σ spec_verify_ct (its own definition)."""
+    missing = [i for i, m in enumerate(meta_infos) if "spec_verify_ct" not in m]
+    if missing:
+        raise ValueError(f"SGLang meta_info of {len(missing)} request(s) has no spec_verify_ct: is the server "
+                         "running with --speculative-algorithm EAGLE3?")
+    verify = sum(m["spec_verify_ct"] for m in meta_infos)
+    if verify <= 0:
+        raise ValueError("SGLang reported spec_verify_ct == 0 for every request: no speculative step ran")
+    return {"acceptance_length": sum(m["completion_tokens"] for m in meta_infos) / verify,
+            "per_position_acceptance": None, "verifications": verify, "draft_tokens": None}
