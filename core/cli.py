@@ -36,6 +36,7 @@ def parse_stage_args(prog: str, doc: str, extend=None, argv=None) -> tuple[RunCo
         cfg.run_dir = args.run_dir
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP request drowns the progress
     return cfg, args
 
 

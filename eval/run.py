@@ -107,6 +107,7 @@ def hf_eval(cfg: RunConfig, items: list[tuple[str, list[int]]], draft_dir: Path)
         spec, t_spec = _timed(lambda ids=ids: speculative_generate(model, drafter, ids, n, stop, k))
         results.append({"id": pid, "prompt_tokens": len(ids), "tokens": len(spec.tokens),
                         "match": base.tokens == spec.tokens, "accept_lengths": spec.accept_lengths,
+                        "text": tok.decode(spec.tokens, skip_special_tokens=True),
                         "time_baseline_s": t_base, "time_spec_s": t_spec, "baseline_tokens": len(base.tokens)})
     return {**summarize(results, k), "device": str(model.device)}, results
 
