@@ -34,10 +34,14 @@ def parse_stage_args(prog: str, doc: str, extend=None, argv=None) -> tuple[RunCo
         parser.exit(2, f"{prog}: error: {e}\n")
     if args.run_dir:
         cfg.run_dir = args.run_dir
+    setup_logging()
+    return cfg, args
+
+
+def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP request drowns the progress
-    return cfg, args
 
 
 def run_main(prog: str, main, cfg, *a, **kw) -> int:

@@ -127,12 +127,18 @@ def spec_counters(url: str) -> dict:
     return prometheus_spec_counters(r.text, PROMETHEUS_PREFIX["llamacpp"])
 
 
+def cached_server_binary(cache: Path) -> Path | None:
+    """The llama-server `make llamacpp` built, or None when it has not been built yet."""
+    dest = Path(cache) / f"llama-server-b{LLAMACPP_BUILD}" / "bin" / "llama-server"
+    return dest if dest.is_file() else None
+
+
 def server_binary(cache: Path) -> Path:
     """The cached llama-server, building it (and fetching its source) the first time."""
-    dest = Path(cache) / f"llama-server-b{LLAMACPP_BUILD}" / "bin" / "llama-server"
-    if dest.is_file():
+    dest = cached_server_binary(cache)
+    if dest is not None:
         return dest
-    log.info("building llama-server b%d once into %s (~6 min on 2 cores; cached after)", LLAMACPP_BUILD, dest.parent)
+    log.info("building llama-server b%d once into %s (~4-6 min on 2 cores; cached after)", LLAMACPP_BUILD, cache)
     return build_server(llamacpp_tree(cache), cache)
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.cli import setup_logging  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.target import cache_root, embedded_gguf_path  # noqa: E402
 from eval.llamacpp_server import LlamaServer, server_binary  # noqa: E402
@@ -38,7 +38,7 @@ if __name__ == "__main__":
     ap.add_argument("--build-only", action="store_true", help="build (once) and print the binary's path")
     args = ap.parse_args()
     if args.build_only:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        setup_logging()
         print(server_binary(cache_root(load_config(None))))
         sys.exit(0)
     with llamacpp_server(n_ctx=args.n_ctx, parallel=args.parallel) as base_url:
