@@ -4,7 +4,8 @@ transformers can do this itself (`from_pretrained(..., gguf_file=...)` then `sav
 llama it re-parses all the metadata, 98k tokenizer strings included, for the config, the tokenizer and
 the model separately, each time through np.memmap slices: ~30 s for SmolLM2-135M on a small CPU. This
 reads the file once and writes what that path writes (same tensors, config, generation config,
-tokenizer); tests/test_gguf_checkpoint.py holds the two to equality.
+tokenizer), except for one deliberate fix: digits split as llama.cpp splits them (byte_level_tokenizer);
+tests/test_gguf_checkpoint.py holds the two to equality, tests/test_tokenizer_parity.py to llama.cpp.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def llama_state_dict(reader: GGUFReader, n_head: int, n_kv_head: int) -> dict[st
 
 
 def byte_level_tokenizer(meta: dict[str, Any]):
-    """The tokenizer transformers builds from a gpt2-type (byte-level BPE) GGUF vocabulary."""
+    """The tokenizer transformers builds from a gpt2-type (byte-level BPE) GGUF vocabulary, except that a
+    `smollm` pre-tokenizer splits digits one by one, as llama.cpp does (transformers 5.23 drops that
+    step, so "\\n\\n1" became two newline tokens where llama.cpp and SmolLM2's original tokenizer make one:
+    a drafter trained on such ids would be served on other ids; tests/test_tokenizer_parity.py)."""
     from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
@@ -108,6 +112,9 @@ def byte_level_tokenizer(meta: dict[str, Any]):
     backend = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, dropout=None,
                             continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre == "smollm":  # llama.cpp's smollm split (and SmolLM2's own tokenizer.json): each digit alone first
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         backend.pre_tokenizer])
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                 for t, token_type in zip(tokens, types, strict=True) if token_type == _CONTROL])

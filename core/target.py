@@ -126,11 +126,12 @@ def _make_tiny(out: Path, root: Path) -> None:
 
 
 def _resolve_alias(name: str, root: Path) -> Path:
+    # Cache dirs are versioned: a change to what is built gets a new dir, never a stale copy.
+    # smollm2 v2 / tiny v3: the tokenizer splits digits as llama.cpp does. tiny v2: weights at std 0.4,
+    # not 0.02, so the model writes varied tokens (v1 repeated one token, which hid any off-by-one).
     if name == SMOLLM2:
-        return _build_atomically(root / "targets" / name, _convert_smollm2)
-    # v2: weights at std 0.4, not 0.02, so the model writes varied tokens (v1 repeated one token, which
-    # hid any off-by-one) and has a peaked distribution a drafter can learn. A new dir, never a stale v1.
-    return _build_atomically(root / "targets" / f"{name}-v2", lambda out: _make_tiny(out, root))
+        return _build_atomically(root / "targets" / f"{name}-v2", _convert_smollm2)
+    return _build_atomically(root / "targets" / f"{name}-v3", lambda out: _make_tiny(out, root))
 
 
 def resolve_target(cfg: RunConfig) -> Path:
