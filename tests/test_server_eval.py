@@ -1,0 +1,75 @@
+"""`python -m eval --engine server` against vLLM and SGLang test doubles (tests/fake_spec_server.py: their
+documented client fields, scripted acceptance), and the counter parsers on their own."""
+
+import json
+
+import pytest
+
+from eval.spec_counters import counter_window, prometheus_spec_counters, sglang_window
+from tests.conftest import ROOT, run_cli
+from tests.fake_spec_server import FakeSpecServer, rounds
+
+K = 3
+N = 12
+
+
+def expected(num_prompts: int) -> tuple[float, list[float]]:
+    """τ and per-position acceptance the scripted servers must report for num_prompts answers of N tokens."""
+    steps = rounds(N, K) * num_prompts
+    return (sum(steps) / len(steps), [sum(t - 1 > i for t in steps) / len(steps) for i in range(K)])
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_eval_server_reports_the_engines_own_counts(engine, tmp_path):
+    out = tmp_path / "eval"
+    with FakeSpecServer(engine, False, K) as base, FakeSpecServer(engine, True, K) as spec:
+        run_cli("eval", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(tmp_path / "run"),
+                "--engine", "server", "--server-type", engine, "--base", base.url, "--spec", spec.url,
+                "--prompts", str(ROOT / "tests/data/mt_bench_3.jsonl"), "--max-new-tokens", str(N),
+                "--concurrency", "1,3", "--out", str(out), f"eval.draft_steps={K}")
+    r = json.loads((out / "report.json").read_text())
+    tau, per_pos = expected(3)
+    assert r["engine"] == "server" and r["num_prompts"] == 3 and r["outputs_match_baseline"] is True
+    assert [lv["concurrency"] for lv in r["server"]["levels"]] == [1, 3]
+    for lv in r["server"]["levels"]:
+        if engine == "vllm":  # counted from Prometheus deltas over this level only, both DP engines summed
+            assert lv["acceptance_length"] == pytest.approx(tau)
+            assert lv["per_position_acceptance"] == pytest.approx(per_pos)
+        else:  # SGLang's own rule: completion_tokens / spec_verify_ct, the prefill token included
+            assert lv["acceptance_length"] == pytest.approx(N / len(rounds(N, K)))
+            assert lv["per_position_acceptance"] is None
+        assert lv["outputs_equal"] == 3 and lv["base"]["output_tokens"] == 3 * N
+        assert all(row["ttft_s"] <= row["latency_s"] for row in lv["spec"]["rows"])
+    assert "Served by " + engine in (out / "report.md").read_text()
+    assert (out / "throughput.png").stat().st_size > 10_000
+
+
+def test_eval_server_needs_both_urls(tmp_path):
+    proc = run_cli("eval", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(tmp_path),
+                   "--engine", "server", "--base", "http://127.0.0.1:9", check=False)
+    assert proc.returncode == 1 and "needs both --base URL and --spec URL" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_prometheus_counters_sum_series_and_window():
+    page = "\n".join([
+        "# HELP llamacpp:spec_decode_num_drafts_total drafts", "# TYPE llamacpp:spec_decode_num_drafts_total counter",
+        "llamacpp:spec_decode_num_drafts_total 10", "llamacpp:spec_decode_num_draft_tokens_total 30",
+        "llamacpp:spec_decode_num_accepted_tokens_total 12",
+        'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 7',
+        'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 1',
+        'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 4',
+        "vllm:spec_decode_num_drafts_total 999", "llamacpp:n_busy_slots_per_decode 1"])
+    c = prometheus_spec_counters(page, "llamacpp:")
+    assert c == {"drafts": 10, "draft_tokens": 30, "accepted": 12, "accepted_per_pos": [7, 4, 1]}
+    zero = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
+    w = counter_window(zero, c)
+    assert w["acceptance_length"] == pytest.approx(2.2) and w["per_position_acceptance"] == pytest.approx([.7, .4, .1])
+    with pytest.raises(ValueError, match="made no drafts"):
+        counter_window(c, c)
+
+
+def test_sglang_window_refuses_a_server_without_speculation():
+    assert sglang_window([{"completion_tokens": 10, "spec_verify_ct": 4}, {"completion_tokens": 6, "spec_verify_ct": 4}]
+                         )["acceptance_length"] == 2.0
+    with pytest.raises(ValueError, match="no spec_verify_ct"):
+        sglang_window([{"completion_tokens": 10}])
