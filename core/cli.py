@@ -27,7 +27,7 @@ def parse_stage_args(prog: str, doc: str, extend=None, argv=None) -> tuple[RunCo
     parser = stage_parser(prog, doc)
     if extend is not None:
         extend(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides may sit between flags
     try:
         cfg = load_config(args.config, args.overrides)
     except (ValueError, FileNotFoundError) as e:

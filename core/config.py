@@ -117,6 +117,10 @@ class EvalConfig:
     max_prompts: int = _f(16, "prompts evaluated")
     max_new_tokens: int = _f(96, "tokens generated per prompt")
     draft_steps: int = _f(5, "chain length K drafted per verification")
+    draft_tree: list[int] = _f([], "[depth, topk, total]: an EAGLE-2 tree of `total` drafted tokens per verification "
+                                   "instead of a chain (hf engine, T=0); [] = chain")
+    temperature: float = _f(0.0, "0 = greedy (outputs must equal the baseline's); > 0 = speculative sampling, "
+                                 "chain only (hf engine), outputs follow the target's distribution")
     engine: str = _f("hf", "hf (our decode engine, in-process) | llamacpp (our drafter converted and served by two "
                            "llama-servers on loopback, beside the hf engine) | server (any base + spec server)")
     concurrency: list[int] = _f([1, 4], "requests in flight, one measurement per level (server engines)")

@@ -169,8 +169,9 @@ class DraftCache:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
-    def append(self, k: torch.Tensor, v: torch.Tensor):
-        """k/v [B,nkv,T,d] at positions length.. -> (all keys, all values, mask [T,max_len])."""
+    def append(self, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None = None):
+        """k/v [B,nkv,T,d] at slots length.. -> (all keys, all values, mask [T,max_len]). The mask is
+        causal over the slots unless `visible` [T,max_len] says which slots each new row sees (a tree)."""
         start, t = self.length, k.shape[2]
         if start + t > self.max_len:
             raise ValueError(f"draft cache full: {start} + {t} positions > max_len {self.max_len}")
@@ -180,6 +181,8 @@ class DraftCache:
         self.k[:, :, start:start + t] = k
         self.v[:, :, start:start + t] = v
         self.length = start + t
+        if visible is not None:
+            return self.k, self.v, visible
         slots = torch.arange(self.max_len, device=k.device)
         mask = slots[None, :] <= torch.arange(start, start + t, device=k.device)[:, None]
         return self.k, self.v, mask
@@ -226,11 +229,12 @@ class Eagle3Drafter(nn.Module):
         """[..., H] -> draft-vocab logits [..., Vd]."""
         return self.lm_head(self.norm(h2))
 
-    def forward(self, hidden, tokens, positions, cache: DraftCache):
+    def forward(self, hidden, tokens, positions, cache: DraftCache, visible: torch.Tensor | None = None):
         """Decode-time step over T new positions (appended to the cache after its valid ones),
-        attending causally to the cache plus themselves; -> (logits [B,T,Vd], h2 [B,T,H])."""
+        attending causally to the cache plus themselves, or to the slots `visible` [T,max_len] names
+        (draft trees); -> (logits [B,T,Vd], h2 [B,T,H])."""
         q, k, v, residual = self.qkv(hidden, tokens, positions)
-        k_all, v_all, mask = cache.append(k, v)
+        k_all, v_all, mask = cache.append(k, v, visible)
         attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
         h2 = self.finish(attn, residual)
         return self.logits(h2), h2

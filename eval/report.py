@@ -13,8 +13,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def summarize(results: list[dict], draft_steps: int) -> dict:
-    """τ = mean tokens per verification; draft i counts as accepted in a round that added > i+1 tokens."""
+def summarize(results: list[dict], draft_steps: int, tree: list[int] | None = None, temperature: float = 0.0) -> dict:
+    """τ = mean tokens per verification; draft i (tree: depth i) counts as accepted in a round that
+    added > i+1 tokens. At T>0 outputs are samples, so they are not compared with the baseline (None)."""
+    depth = tree[0] if tree else draft_steps
     lengths = [a for r in results for a in r["accept_lengths"]]
     steps = max(1, len(lengths))
     tokens = sum(r["tokens"] for r in results)
@@ -24,13 +26,14 @@ def summarize(results: list[dict], draft_steps: int) -> dict:
     tps_base, tps_spec = base_tokens / t_base, tokens / t_spec
     return {
         "acceptance_length": sum(lengths) / steps,
-        "per_position_acceptance": [sum(a > i + 1 for a in lengths) / steps for i in range(draft_steps)],
-        "accept_length_histogram": [sum(a == i for a in lengths) for i in range(1, draft_steps + 2)],
-        "outputs_match_baseline": all(r["match"] for r in results),
-        "mismatched_prompts": [r["id"] for r in results if not r["match"]],
+        "per_position_acceptance": [sum(a > i + 1 for a in lengths) / steps for i in range(depth)],
+        "accept_length_histogram": [sum(a == i for a in lengths) for i in range(1, depth + 2)],
+        "outputs_match_baseline": all(r["match"] for r in results) if temperature == 0 else None,
+        "mismatched_prompts": [r["id"] for r in results if r["match"] is False],
         "tokens_per_s_baseline": tps_base, "tokens_per_s_spec": tps_spec, "speedup": tps_spec / tps_base,
         "num_prompts": len(results), "verify_steps": len(lengths), "generated_tokens": tokens,
-        "draft_steps": draft_steps, "temperature": 0.0,  # greedy: the only mode so far
+        "draft_steps": draft_steps, "draft_tree": tree or None, "drafted_per_verification": tree[2] if tree else draft_steps,
+        "temperature": temperature,
     }
 
 
@@ -44,7 +47,7 @@ def server_summary(server: dict, draft_steps: int) -> dict:
         "outputs_match_baseline": all(lv["outputs_equal"] == server["num_prompts"] for lv in server["levels"]),
         "tokens_per_s_baseline": first["base"]["tokens_per_s"], "tokens_per_s_spec": first["spec"]["tokens_per_s"],
         "speedup": first["speedup"], "num_prompts": server["num_prompts"], "draft_steps": draft_steps,
-        "temperature": 0.0,
+        "draft_tree": None, "drafted_per_verification": draft_steps, "temperature": 0.0,
     }
 
 
@@ -83,26 +86,36 @@ def _server_section(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _mode(r: dict) -> str:
+    tree = r.get("draft_tree")
+    shape = (f"an EAGLE-2 tree (depth {tree[0]}, top-{tree[1]}, {tree[2]} drafted tokens) per verification" if tree
+             else f"chain of {r['draft_steps']} drafts per verification")
+    sampling = "greedy (T=0)" if not r["temperature"] else f"speculative sampling at T={r['temperature']}"
+    return f"{sampling}, {shape}"
+
+
 def _markdown(r: dict) -> str:
-    k = r["draft_steps"]
+    depth = len(r["per_position_acceptance"]) or r["draft_steps"]
     where = "batch 1" if r["engine"] == "hf" else "see the concurrency table"
+    match = ("n/a: sampled outputs are not compared" if r["outputs_match_baseline"] is None
+             else r["outputs_match_baseline"])
     text = f"""# EAGLE-3 drafter: speculative decoding report
 
 Target `{r['target']}` on `{r['device']}`, drafter `{r['drafter']}`, prompts `{r['prompts']}`,
-greedy (T={r['temperature']}), {where}, chain of {k} drafts per verification.
+{_mode(r)}, {where}.
 
 | metric | value |
 |---|---|
 | acceptance length τ (tokens per target verification, bonus included) | **{r['acceptance_length']:.3f}** |
 | speedup vs plain target decode | **{r['speedup']:.2f}x** |
 | tokens/s baseline → speculative | {r['tokens_per_s_baseline']:.1f} → {r['tokens_per_s_spec']:.1f} |
-| outputs identical to greedy baseline | {r['outputs_match_baseline']} |
+| outputs identical to the baseline | {match} |
 | prompts | {r['num_prompts']} |
 
-Per-position acceptance (fraction of verifications that accepted draft i):
+Per-position acceptance (fraction of verifications that accepted a draft at depth i):
 
-{_row(f"draft {i + 1}" for i in range(k))}
-|{'---|' * k}
+{_row(f"depth {i + 1}" for i in range(depth))}
+|{'---|' * depth}
 {_row(f"{p:.2f}" for p in r['per_position_acceptance']) if r['per_position_acceptance'] else '(not counted)'}
 
 ![acceptance](acceptance.png)
@@ -112,7 +125,7 @@ Per-position acceptance (fraction of verifications that accepted draft i):
 
 
 def _plot_acceptance(r: dict, out: Path) -> None:
-    k = r["draft_steps"]
+    k = len(r["per_position_acceptance"]) or r["draft_steps"]
     hf = r.get("hf_engine", r if r["engine"] == "hf" else None)
     bars = [(r["server"]["server_type"], r["per_position_acceptance"])] if "server" in r else []
     if hf:
@@ -122,7 +135,7 @@ def _plot_acceptance(r: dict, out: Path) -> None:
     for j, (name, values) in enumerate(bars):
         if values:
             ax1.bar([i + 1 + (j - (len(bars) - 1) / 2) * width for i in range(len(values))], values, width, label=name)
-    ax1.set(title="accepted at draft position", xlabel="draft position", ylabel="fraction of verifications",
+    ax1.set(title="accepted at draft depth", xlabel="draft depth", ylabel="fraction of verifications",
             ylim=(0, 1), xticks=range(1, k + 1))
     ax1.legend()
     if hf:

@@ -5,8 +5,9 @@
     python -m eval --engine server --server-type vllm --base URL --spec URL    # any running pair of servers
     python -m eval --prompts ../shared/data/mt_bench/question.jsonl --draft runs/x/drafter --out /tmp/mt
 
-hf: per prompt, baseline greedy decode and chain speculative decode (K = eval.draft_steps drafts per
-target verification), both timed after a warm-up, outputs compared token for token.
+hf: per prompt, baseline decode and speculative decode (a chain of K = eval.draft_steps drafts per
+target verification, or an EAGLE-2 tree: eval.draft_tree=[depth,topk,total]), both timed after a
+warm-up; greedy outputs compared token for token; eval.temperature > 0 samples (speculative sampling).
 llamacpp: the drafter converted by llama.cpp's own converter, a base and a speculative llama-server
 started on loopback, the same prompt ids sent to both at each concurrency level (eval/server_eval.py),
 and the hf engine run on the same prompts, so both engines' τ stand side by side.
@@ -26,6 +27,7 @@ from tqdm import tqdm
 from core.chat import fitting_prompts
 from core.config import RunConfig
 from core.decode import generate, speculative_generate
+from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
 from core.prompts import load_prompt_file, load_prompts
 from core.target import (
@@ -91,25 +93,33 @@ def _timed(fn):
 
 
 def hf_eval(cfg: RunConfig, items: list[tuple[str, list[int]]], draft_dir: Path) -> tuple[dict, list[dict]]:
-    """Our engine: baseline vs chain speculative decode per prompt, batch 1 -> (summary, per-prompt rows)."""
+    """Our engine, batch 1: per prompt the plain target decode vs speculative decode with a chain of K
+    drafts or an EAGLE-2 tree (eval.draft_tree), greedy or sampled (eval.temperature) -> (summary, rows)."""
+    ev = cfg.eval
     model, tok = load_target(cfg)
     info = target_info(cfg)
     drafter = Eagle3Drafter.from_pretrained(draft_dir, load_target_embeddings(cfg).embed, info.model_type,
                                             info.num_layers).to(model.device, model.dtype).eval()
     stop = end_of_turn_ids(tok, model.generation_config)
-    k, n = cfg.eval.draft_steps, cfg.eval.max_new_tokens
+    k, n, t = ev.draft_steps, ev.max_new_tokens, ev.temperature
+    tree = TreeSpec(*ev.draft_tree) if ev.draft_tree else None
+    g = torch.Generator(model.device).manual_seed(cfg.seed)
+
+    def spec(ids, budget):
+        return speculative_generate(model, drafter, ids, budget, stop, k, tree, t, g)
+
     # warm-up (allocator, kernels) kept out of the timings
     generate(model, [items[0][1]], 4, stop)
-    speculative_generate(model, drafter, items[0][1], 4, stop, k)
+    spec(items[0][1], 4)
     results = []
     for pid, ids in tqdm(items, desc="eval (hf engine)", unit="prompt"):
-        base, t_base = _timed(lambda ids=ids: generate(model, [ids], n, stop)[0])
-        spec, t_spec = _timed(lambda ids=ids: speculative_generate(model, drafter, ids, n, stop, k))
-        results.append({"id": pid, "prompt_tokens": len(ids), "tokens": len(spec.tokens),
-                        "match": base.tokens == spec.tokens, "accept_lengths": spec.accept_lengths,
-                        "text": tok.decode(spec.tokens, skip_special_tokens=True),
+        base, t_base = _timed(lambda ids=ids: generate(model, [ids], n, stop, t, g)[0])
+        out, t_spec = _timed(lambda ids=ids: spec(ids, n))
+        results.append({"id": pid, "prompt_tokens": len(ids), "tokens": len(out.tokens),
+                        "match": base.tokens == out.tokens if t == 0 else None, "accept_lengths": out.accept_lengths,
+                        "text": tok.decode(out.tokens, skip_special_tokens=True),
                         "time_baseline_s": t_base, "time_spec_s": t_spec, "baseline_tokens": len(base.tokens)})
-    return {**summarize(results, k), "device": str(model.device)}, results
+    return {**summarize(results, k, ev.draft_tree, t), "device": str(model.device)}, results
 
 
 def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, out: str | None = None,
@@ -120,6 +130,15 @@ def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, o
             setattr(ev, key, value)
     if ev.engine not in ENGINES:
         raise ValueError(f"eval.engine must be one of {ENGINES}, got {ev.engine!r}")
+    if ev.draft_tree and len(ev.draft_tree) != 3:
+        raise ValueError(f"eval.draft_tree must be [depth, topk, total] (or [] for a chain), got {ev.draft_tree}")
+    if (ev.draft_tree or ev.temperature) and ev.engine != "hf":
+        raise ValueError(f"eval.draft_tree / eval.temperature are hf-engine modes; engine {ev.engine!r} compares "
+                         "servers greedily with a chain of eval.draft_steps")
+    if ev.draft_tree and ev.temperature:
+        raise ValueError("eval.draft_tree is greedy only: set eval.temperature=0 or eval.draft_tree=[]")
+    if ev.temperature < 0:
+        raise ValueError(f"eval.temperature must be >= 0, got {ev.temperature}")
     draft_dir = Path(draft) if draft else cfg.run_path / "drafter"
     out_dir = Path(out) if out else cfg.run_path / "eval"
     items = eval_prompts(cfg, load_tokenizer(cfg), prompts)
@@ -145,6 +164,7 @@ def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, o
             report.update({"hf_engine": {key: report[key] for key in hf}, **server_summary(server, k),
                            "device": "llama.cpp b11434 llama-server, CPU", "server": server})
     write_report(out_dir, report, results)
-    log.info("acceptance length %.3f at K=%d, speedup %.2fx, outputs match baseline: %s; report in %s",
-             report["acceptance_length"], k, report["speedup"], report["outputs_match_baseline"], out_dir)
+    log.info("acceptance length %.3f (%s), speedup %.2fx, outputs match baseline: %s; report in %s",
+             report["acceptance_length"], f"tree {ev.draft_tree}" if ev.draft_tree else f"K={k}", report["speedup"],
+             report["outputs_match_baseline"], out_dir)
     return report

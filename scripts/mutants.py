@@ -8,7 +8,8 @@ of the work tree (tracked and untracked files, no venv) in a temp dir; the named
 there with `python -m pytest -x -q`. Killed = pytest exits 1 (a test failed). A pass, or any other
 exit (a collection error says the mutant broke the import, not the behaviour), is a survivor.
 Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, K1-K2 the two it
-found killed, N1-N11 guard what issue 9 (and the export fixes after it) added.
+found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S1-S2 and T1-T2 issue
+10's speculative sampling and draft trees.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Mutant:
 
 ALIGN = ("tests/test_draft_alignment.py",)
 RESUME = ("tests/test_resume.py",)
+SAMPLING = ("tests/test_speculative_modes.py::test_speculative_sampling_at_t1_keeps_the_target_distribution",)
+TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_output",)
 MUTANTS = [
     Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/loop.py",
            '    accelerator.load_state(str(ckpt_root / latest["path"]))\n', "", RESUME),
@@ -91,6 +94,15 @@ MUTANTS = [
     Mutant("N12", "no top-level layer ids: llama.cpp falls back to [2, L//2, L-3]", "core/drafter.py",
            '"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),', "",
            ("tests/test_llamacpp_export.py",)),
+    Mutant("S1", "speculative sampling draws a rejected draft's replacement from p, not max(p - q, 0)",
+           "core/decode.py", "residual = (p[j] - q).clamp(min=0)", "residual = p[j].clone()", SAMPLING),
+    Mutant("S2", "speculative sampling accepts every draft", "core/decode.py",
+           "if torch.rand((), generator=generator, device=p.device) * q[x] < p[j, x]:", "if True:", SAMPLING),
+    Mutant("T1", "tree verification: every node sees every other node (no ancestor mask)", "core/decode.py",
+           "mask[0, 0, 1:, m + 1: m + 1 + n] = tree.visible().to(model.device)",
+           "mask[0, 0, 1:, m + 1: m + 1 + n] = True", TREE),
+    Mutant("T2", "the accepted tree path's K/V are not moved to the chain slots", "core/decode.py",
+           "            _compact(cache, [m + 1 + i for i in path], m + 1)\n", "", TREE),
     Mutant("N11", "atomic writes keep the writer's 0600 mode", "core/atomic_io.py",
            "        os.chmod(tmp, FILE_MODE)\n", "",
            ("tests/test_pipeline.py::test_outputs_are_readable_by_other_users",)),

@@ -68,3 +68,26 @@ def trained_next(loss_mask) -> list[bool]:
     that tests check it: position j is a teacher target iff token j+1 is trained on."""
     m = [bool(x) for x in loss_mask]
     return m[1:] + [False]
+
+
+OVERFIT = ["train.epochs=30", "train.lr=3e-3", "eval.draft_steps=3", "eval.max_new_tokens=16", "eval.max_prompts=12"]
+
+
+@pytest.fixture(scope="session")
+def overfit_tiny(tmp_path_factory):
+    """A drafter from the real pipeline (CLI stages) on the tiny target, trained until it memorises the
+    target's 12 greedy answers -> (cfg, run_dir, CLI flags, a prompt file of those 12 prompts). On its
+    own prompts τ is far above 1, so engine disagreements and decode bugs show."""
+    import json
+
+    from core.conversations import read_conversations
+
+    run_dir = tmp_path_factory.mktemp("overfit") / "run"
+    cfg = load_config(ROOT / "configs/tiny-random-llama.yaml", [f"run_dir={run_dir}", *OVERFIT])
+    flags = ["--config", "configs/tiny-random-llama.yaml", "--run-dir", str(run_dir), *OVERFIT]
+    for stage in ("data_gen", "extract", "train"):
+        run_cli(stage, *flags)
+    prompts = run_dir / "train_prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": r["conversation_id"], "prompt": r["messages"][0]["content"]}) + "\n"
+                               for r in read_conversations(run_dir / "conversations")))
+    return cfg, run_dir, flags, prompts

@@ -16,28 +16,17 @@ import shutil
 
 import pytest
 
-from core.config import load_config
-from core.conversations import read_conversations
 from core.target import cache_root, load_tokenizer, resolve_target
 from eval.llamacpp import convert_drafter, gguf_target_layers, llamacpp_tree
 from eval.llamacpp_server import LlamaServer, server_binary
 from eval.run import eval_prompts
 from eval.server_eval import run_level
-from tests.conftest import ROOT, run_cli
-
-OVERFIT = ["train.epochs=30", "train.lr=3e-3", "eval.draft_steps=3", "eval.max_new_tokens=16", "eval.max_prompts=12"]
+from tests.conftest import run_cli
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("served") / "run"
-    cfg = load_config(ROOT / "configs/tiny-random-llama.yaml", [f"run_dir={run_dir}", *OVERFIT])
-    flags = ["--config", "configs/tiny-random-llama.yaml", "--run-dir", str(run_dir), *OVERFIT]
-    for stage in ("data_gen", "extract", "train"):
-        run_cli(stage, *flags)
-    prompts = run_dir / "train_prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": r["conversation_id"], "prompt": r["messages"][0]["content"]}) + "\n"
-                               for r in read_conversations(run_dir / "conversations")))
+def served(overfit_tiny):
+    cfg, run_dir, flags, prompts = overfit_tiny
     run_cli("eval", *flags, "--engine", "llamacpp", "--prompts", str(prompts), "--concurrency", "1,2")
     return cfg, run_dir, prompts, json.loads((run_dir / "eval/report.json").read_text())
 
