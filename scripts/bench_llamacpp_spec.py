@@ -8,6 +8,10 @@ The target is the embedded SmolLM2 GGUF (Q4_1) that our fp32 target is dequantiz
 is converted by llama.cpp's own convert_hf_to_gguf.py. τ (llama.cpp) = 1 + Δaccepted / Δdrafts from
 its /metrics counters; τ (ours) = mean tokens per verification of core.decode.speculative_generate.
 Tokens/s = the server's own decode timing (predicted_n / predicted_ms), summed over prompts.
+Cost: a speculative cycle (K draft steps + one verification) takes τ / spec tok/s; in base-token
+times that is the break-even τ at this K (the τ at which spec is as fast as base). A line fitted
+through the K values splits it into a fixed part and a cost per drafted token (draft step + its
+share of the verification).
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ def run_server(url: str, items, n: int) -> tuple[list[list[int]], float, float]:
     return outs, 1000 * tokens / ms, tokens
 
 
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a*x + b -> (a, b)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return a, my - a * mx
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True)
@@ -72,7 +83,8 @@ def main() -> int:
         base_out, base_tps, _ = run_server(url, items, n)
     print(f"base llama-server: {base_tps:.1f} tok/s decode, {len(items)} prompts x <= {n} tokens", flush=True)
     print("| drafter GGUF | K | τ llama.cpp | per-position acceptance | τ ours (HF engine) | spec tok/s | speedup "
-          "| outputs equal base |\n|---|---|---|---|---|---|---|---|", flush=True)
+          "| cycle in base tokens = break-even τ | outputs equal base |\n|---|---|---|---|---|---|---|---|---|",
+          flush=True)
     ks = [int(k) for k in args.k.split(",")]
     ours = {}
     for k in ks:
@@ -83,6 +95,7 @@ def main() -> int:
             gguf = convert_drafter(tree, Path(args.drafter), resolve_target(cfg), Path(tmp) / f"draft-{outtype}.gguf",
                                    outtype)
             size = gguf.stat().st_size / 1e6
+            cycles = []
             for k in ks:
                 with LlamaServer(binary, target_gguf, gguf, k=k) as url:
                     before = spec_counters(url)
@@ -93,8 +106,13 @@ def main() -> int:
                 pos = " ".join(f"{(a - b) / max(1.0, drafts):.2f}" for a, b in
                                zip(after["accepted_per_pos"], before["accepted_per_pos"] + [0.0] * k, strict=False))
                 same = sum(o == b for o, b in zip(outs, base_out, strict=True))
+                cycles.append(tau * base_tps / tps)
                 print(f"| {outtype} ({size:.1f} MB) | {k} | {tau:.3f} | {pos} | {ours[k]:.3f} | {tps:.1f} | "
-                      f"{tps / base_tps:.2f}x | {same}/{len(items)} |", flush=True)
+                      f"{tps / base_tps:.2f}x | {cycles[-1]:.2f} | {same}/{len(items)} |", flush=True)
+            if len(ks) > 1:
+                slope, fixed = linear_fit(ks, cycles)
+                print(f"{outtype}: cycle ≈ {fixed:.2f} + {slope:.2f} x K base tokens (fixed part + cost per drafted "
+                      "token)", flush=True)
     return 0
 
 

@@ -1,0 +1,34 @@
+"""`make demo` sizes itself to the machine (scripts/demo.py): the config's sizes on a fast CPU with
+native bf16, COMPACT (valid config keys, smaller work, said aloud) on a slower one; the user's
+key=value arguments still win."""
+
+import importlib.util
+
+import pytest
+
+from core.config import load_config
+from tests.conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("demo", ROOT / "scripts/demo.py")
+demo = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(demo)
+
+
+@pytest.mark.parametrize("gflops, precision, compact", [(290.0, "bf16", False), (125.0, "no", True),
+                                                         (290.0, "no", True), (150.0, "bf16", True)])
+def test_sizes_follow_the_machine(monkeypatch, capsys, gflops, precision, compact):
+    monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(demo, "fp32_matmul_gflops", lambda: gflops)
+    monkeypatch.setattr(demo, "resolve_precision", lambda name: precision)
+    sizes = demo.machine_sizes()
+    assert sizes == (demo.COMPACT if compact else [])
+    assert (f"{gflops:.0f} GFLOP/s" in capsys.readouterr().out) == compact
+    full = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", [])
+    small = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", [*sizes, "train.epochs=7"])
+    work = small.data_gen.num_samples * small.eval.max_new_tokens * small.eval.max_prompts
+    assert (work < full.data_gen.num_samples * full.eval.max_new_tokens * full.eval.max_prompts) == compact
+    assert small.train.epochs == 7  # the user's override wins
+
+
+def test_the_matmul_rate_is_measured():
+    assert 1.0 < demo.fp32_matmul_gflops() < 1e5
