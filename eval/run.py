@@ -92,15 +92,20 @@ def _timed(fn):
     return out, time.perf_counter() - t
 
 
+def load_engine(cfg: RunConfig, draft_dir: Path):
+    """The target, its tokenizer, the drafter on the target's device and dtype, the stop ids."""
+    model, tok = load_target(cfg)
+    info = target_info(cfg)
+    drafter = Eagle3Drafter.from_pretrained(Path(draft_dir), load_target_embeddings(cfg).embed, info.model_type,
+                                            info.num_layers).to(model.device, model.dtype).eval()
+    return model, tok, drafter, end_of_turn_ids(tok, model.generation_config)
+
+
 def hf_eval(cfg: RunConfig, items: list[tuple[str, list[int]]], draft_dir: Path) -> tuple[dict, list[dict]]:
     """Our engine, batch 1: per prompt the plain target decode vs speculative decode with a chain of K
     drafts or an EAGLE-2 tree (eval.draft_tree), greedy or sampled (eval.temperature) -> (summary, rows)."""
     ev = cfg.eval
-    model, tok = load_target(cfg)
-    info = target_info(cfg)
-    drafter = Eagle3Drafter.from_pretrained(draft_dir, load_target_embeddings(cfg).embed, info.model_type,
-                                            info.num_layers).to(model.device, model.dtype).eval()
-    stop = end_of_turn_ids(tok, model.generation_config)
+    model, tok, drafter, stop = load_engine(cfg, draft_dir)
     k, n, t = ev.draft_steps, ev.max_new_tokens, ev.temperature
     tree = TreeSpec(*ev.draft_tree) if ev.draft_tree else None
     g = torch.Generator(model.device).manual_seed(cfg.seed)

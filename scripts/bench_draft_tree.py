@@ -19,9 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.config import load_config  # noqa: E402
 from core.decode import generate, speculative_generate  # noqa: E402
 from core.draft_tree import TreeSpec  # noqa: E402
-from core.drafter import Eagle3Drafter  # noqa: E402
-from core.target import end_of_turn_ids, load_target, load_target_embeddings, target_info  # noqa: E402
-from eval.run import eval_prompts  # noqa: E402
+from eval.run import eval_prompts, load_engine  # noqa: E402
 
 
 def timed_tokens(fn, items) -> tuple[list, float]:
@@ -40,11 +38,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     args = ap.parse_args()
     cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
-    model, tok = load_target(cfg)
-    info = target_info(cfg)
-    drafter = Eagle3Drafter.from_pretrained(Path(args.drafter), load_target_embeddings(cfg).embed, info.model_type,
-                                            info.num_layers).eval()
-    stop, n = end_of_turn_ids(tok, model.generation_config), args.max_new_tokens
+    model, tok, drafter, stop = load_engine(cfg, args.drafter)
+    n = args.max_new_tokens
     items = eval_prompts(cfg, tok, args.prompts)
     speculative_generate(model, drafter, items[0][1], 4, stop, 2, TreeSpec(2, 2, 3))  # warm-up
     base, t_base = timed_tokens(lambda ids: generate(model, [ids], n, stop)[0].tokens, items)

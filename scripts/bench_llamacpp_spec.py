@@ -24,19 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.config import load_config  # noqa: E402
 from core.decode import speculative_generate  # noqa: E402
-from core.drafter import Eagle3Drafter  # noqa: E402
 from core.target import (  # noqa: E402
     cache_root,
     embedded_gguf_path,
-    end_of_turn_ids,
-    load_target,
-    load_target_embeddings,
     resolve_target,
-    target_info,
 )
 from eval.llamacpp import convert_drafter, llamacpp_tree  # noqa: E402
 from eval.llamacpp_server import LlamaServer, build_server, complete, spec_counters  # noqa: E402
-from eval.run import eval_prompts  # noqa: E402
+from eval.run import eval_prompts, load_engine  # noqa: E402
 
 
 def run_server(url: str, items, n: int) -> tuple[list[list[int]], float, float]:
@@ -68,11 +63,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     args = ap.parse_args()
     cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
-    model, tok = load_target(cfg)
-    info = target_info(cfg)
-    drafter = Eagle3Drafter.from_pretrained(Path(args.drafter), load_target_embeddings(cfg).embed, info.model_type,
-                                            info.num_layers).eval()
-    stop = end_of_turn_ids(tok, model.generation_config)
+    model, tok, drafter, stop = load_engine(cfg, args.drafter)
     items = eval_prompts(cfg, tok, args.prompts)
     n = args.max_new_tokens
     cache = cache_root(cfg)
