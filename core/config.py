@@ -16,10 +16,12 @@ from pathlib import Path
 import yaml
 
 
-def _f(default, help: str, **kw):
+def _f(default, help: str, ge=None, gt=None, le=None):
+    """A config field with its help text and its range (ge/gt/le; for a list, of every item)."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -36,34 +38,34 @@ class DataGenConfig:
     prompts: str = _f("sharegpt", "sharegpt (embedded ShareGPT V3) or a .json/.jsonl file of prompts")
     on_bad_record: str = _f("strict", "strict (first bad record in a prompt file is an error naming file:line) "
                                       "| skip (skipped and counted by reason)")
-    num_samples: int = _f(256, "conversations to regenerate (taken from the train split)")
-    heldout_percent: float = _f(2.0, "percent of prompt ids held out for eval (split by id hash)")
-    max_turns: int = _f(1, "user turns regenerated per conversation: 1 = first turn, 0 = all")
-    n: int = _f(1, "answers per conversation (independent regenerations, ids <id>~<j>)")
+    num_samples: int = _f(256, "conversations to regenerate (taken from the train split)", ge=1)
+    heldout_percent: float = _f(2.0, "percent of prompt ids held out for eval (split by id hash)", ge=0, le=100)
+    max_turns: int = _f(1, "user turns regenerated per conversation: 1 = first turn, 0 = all", ge=0)
+    n: int = _f(1, "answers per conversation (independent regenerations, ids <id>~<j>)", ge=1)
     reasoning: str = _f("drop", "reasoning/<think> text: drop | field (stored, not trained on) | "
                                 "render (trained on, with the template's thinking markup)")
     end_of_turn: list[str] = _f([], "strings that end an assistant turn (default: the tokenizer's eos tokens)")
     chat_template_kwargs: dict = _f({}, "extra chat-template variables, e.g. {enable_thinking: false}")
-    max_prompt_tokens: int = _f(256, "conversations whose templated first turn is longer are skipped, with a count")
-    max_context_tokens: int = _f(4096, "a later turn whose templated prompt is longer ends the conversation there")
-    max_new_tokens: int = _f(128, "answer length cap; capped answers are kept and flagged finish_reason=length")
+    max_prompt_tokens: int = _f(256, "conversations whose templated first turn is longer are skipped, with a count", ge=1)
+    max_context_tokens: int = _f(4096, "a later turn whose templated prompt is longer ends the conversation there", ge=1)
+    max_new_tokens: int = _f(128, "answer length cap; capped answers are kept and flagged finish_reason=length", ge=1)
     drop_truncated: bool = _f(False, "leave length-capped conversations out of the data")
-    temperature: float = _f(0.0, "0 = greedy")
-    top_p: float = _f(1.0, "nucleus sampling (openai backend)")
+    temperature: float = _f(0.0, "0 = greedy", ge=0)
+    top_p: float = _f(1.0, "nucleus sampling (openai backend)", gt=0, le=1)
     stop: list[str] = _f([], "extra stop strings (openai backend)")
     request_seed: int | None = _f(None, "seed sent with every request (openai backend; +j for answer j)")
-    batch_size: int = _f(16, "prompts generated together (hf backend)")
+    batch_size: int = _f(16, "prompts generated together (hf backend)", ge=1)
     mixed_precision: str = _f("no", "auto | no | bf16: prompt prefill under bf16 autocast (hf backend; decode "
                                     "stays in target.dtype); auto = where the device has native bf16")
-    part_samples: int = _f(64, "samples per committed parquet part (resume granularity)")
+    part_samples: int = _f(64, "samples per committed parquet part (resume granularity)", ge=1)
     base_url: str = _f("", "server root incl. /v1, e.g. http://127.0.0.1:30000/v1 (openai backend)")
     model_name: str = _f("", "model name sent to the server (default: target.model)")
     api_key_env: str = _f("OPENAI_API_KEY", "env var holding the API key (never logged); empty = no key")
-    concurrency: int = _f(16, "requests in flight (openai backend)")
-    request_timeout: float = _f(600.0, "seconds per request before it is retried")
-    max_retries: int = _f(8, "retries per request (429/5xx/timeouts/resets/malformed bodies)")
-    backoff_base: float = _f(1.0, "first retry waits up to this many seconds, doubling each time")
-    backoff_max: float = _f(60.0, "cap of one backoff wait (a longer Retry-After is still honoured)")
+    concurrency: int = _f(16, "requests in flight (openai backend)", ge=1)
+    request_timeout: float = _f(600.0, "seconds per request before it is retried", gt=0)
+    max_retries: int = _f(8, "retries per request (429/5xx/timeouts/resets/malformed bodies)", ge=0)
+    backoff_base: float = _f(1.0, "first retry waits up to this many seconds, doubling each time", ge=0)
+    backoff_max: float = _f(60.0, "cap of one backoff wait (a longer Retry-After is still honoured)", ge=0)
 
 
 @dataclass
@@ -71,12 +73,12 @@ class ExtractConfig:
     engine: str = _f("hf", "hf (in-process target) | sglang (a server started by scripts/launch_sglang_extract.sh)")
     server_url: str = _f("http://127.0.0.1:30000", "sglang engine: the server's root URL")
     dump_dir: str = _f("", "sglang engine: the server's EAGLE3_DUMP_DIR (default <run>/dumps)")
-    max_inflight: int = _f(8, "sglang engine: requests in flight")
-    dump_budget_mb: int = _f(4096, "sglang engine: no new request while the dump dir holds more than this")
-    request_timeout: float = _f(600.0, "sglang engine: seconds per request")
-    aux_layers: list[int] | None = _f(None, "input-of-layer ids; default [2, L//2, L-3]")
-    batch_tokens: int = _f(4096, "token budget of one forward batch")
-    shard_mb: int = _f(256, "approximate size of one shard file")
+    max_inflight: int = _f(8, "sglang engine: requests in flight", ge=1)
+    dump_budget_mb: int = _f(4096, "sglang engine: no new request while the dump dir holds more than this", ge=1)
+    request_timeout: float = _f(600.0, "sglang engine: seconds per request", gt=0)
+    aux_layers: list[int] | None = _f(None, "input-of-layer ids; default [2, L//2, L-3]", ge=0)
+    batch_tokens: int = _f(4096, "token budget of one forward batch", ge=1)
+    shard_mb: int = _f(256, "approximate size of one shard file", ge=0)
     dtype: str = _f("bfloat16", "storage of aux/final: bfloat16 | float32 | fp8_e4m3 (one fp32 scale per token "
                                 "and layer: ~0.5x the bytes of bfloat16)")
     spans: str = _f("all", "all | loss: final rows only where the loss reads a teacher target (aux stays on "
@@ -87,21 +89,21 @@ class ExtractConfig:
 
 @dataclass
 class TrainConfig:
-    ttt_steps: int = _f(7, "training-time-test unroll K")
-    loss_decay: float = _f(0.8, "weight of step k is decay**k")
-    draft_vocab_size: int = _f(8192, "rows of the draft lm_head (top tokens by frequency)")
-    epochs: int = _f(4, "passes over the shards")
-    batch_size: int = _f(4, "samples per micro-batch (per process)")
-    grad_accum: int = _f(1, "micro-batches per optimizer step")
-    max_len: int = _f(2048, "samples are truncated to this many tokens")
-    lr: float = _f(1e-4, "peak learning rate (AdamW, cosine)")
-    warmup_ratio: float = _f(0.015, "fraction of steps spent warming up")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    grad_clip: float = _f(0.5, "max grad norm")
-    log_every: int = _f(10, "optimizer steps between log lines")
-    save_every: int = _f(0, "optimizer steps between checkpoints (0: at each epoch end)")
+    ttt_steps: int = _f(7, "training-time-test unroll K", ge=1)
+    loss_decay: float = _f(0.8, "weight of step k is decay**k", gt=0, le=1)
+    draft_vocab_size: int = _f(8192, "rows of the draft lm_head (top tokens by frequency)", ge=1)
+    epochs: int = _f(4, "passes over the shards", ge=1)
+    batch_size: int = _f(4, "samples per micro-batch (per process)", ge=1)
+    grad_accum: int = _f(1, "micro-batches per optimizer step", ge=1)
+    max_len: int = _f(2048, "samples are truncated to this many tokens", ge=2)
+    lr: float = _f(1e-4, "peak learning rate (AdamW, cosine)", gt=0)
+    warmup_ratio: float = _f(0.015, "fraction of steps spent warming up", ge=0, le=1)
+    weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
+    grad_clip: float = _f(0.5, "max grad norm", gt=0)
+    log_every: int = _f(10, "optimizer steps between log lines", ge=1)
+    save_every: int = _f(0, "optimizer steps between checkpoints (0: at each epoch end)", ge=0)
     aux_noise: float = _f(0.0, "uniform noise U(-a, a) added to the RMS-normalised aux features while training "
-                               "(EAGLE's feature-noise regulariser against memorising small data)")
+                               "(EAGLE's feature-noise regulariser against memorising small data)", ge=0)
     loss_on_prompt: bool = _f(False, "also distill the target's predictions at prompt positions (more signal per sample)")
     init_lm_head_from_target: bool = _f(True, "start lm_head (and norm) from the target's rows of the draft vocab")
     freeze_lm_head: bool = _f(False, "keep that lm_head fixed (fewer trainable parameters for small data)")
@@ -114,16 +116,16 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     prompts: str = _f("heldout", "heldout (held-out ShareGPT) or a .jsonl file (MT-Bench / prompt / ShareGPT)")
-    max_prompts: int = _f(16, "prompts evaluated")
-    max_new_tokens: int = _f(96, "tokens generated per prompt")
-    draft_steps: int = _f(5, "chain length K drafted per verification")
+    max_prompts: int = _f(16, "prompts evaluated", ge=1)
+    max_new_tokens: int = _f(96, "tokens generated per prompt", ge=1)
+    draft_steps: int = _f(5, "chain length K drafted per verification", ge=1)
     draft_tree: list[int] = _f([], "[depth, topk, total]: an EAGLE-2 tree of `total` drafted tokens per verification "
-                                   "instead of a chain (hf engine, T=0); [] = chain")
+                                   "instead of a chain (hf engine, T=0); [] = chain", ge=1)
     temperature: float = _f(0.0, "0 = greedy (outputs must equal the baseline's); > 0 = speculative sampling, "
-                                 "chain only (hf engine), outputs follow the target's distribution")
+                                 "chain only (hf engine), outputs follow the target's distribution", ge=0)
     engine: str = _f("hf", "hf (our decode engine, in-process) | llamacpp (our drafter converted and served by two "
                            "llama-servers on loopback, beside the hf engine) | server (any base + spec server)")
-    concurrency: list[int] = _f([1, 4], "requests in flight, one measurement per level (server engines)")
+    concurrency: list[int] = _f([1, 4], "requests in flight, one measurement per level (server engines)", ge=1)
     server_type: str = _f("llamacpp", "llamacpp | vllm | sglang: how engine=server asks and counts (server engine)")
     base_url: str = _f("", "base server root, e.g. http://127.0.0.1:8080 (server engine)")
     spec_url: str = _f("", "speculative server root (server engine)")
@@ -197,7 +199,25 @@ def _from_dict(cls, data: dict, where: str):
     # YAML 1.1 reads a bare `no` (e.g. mixed_precision: no) as false: a str field means the string
     data = {k: "no" if v is False and hints[k] is str else v for k, v in data.items()}
     kwargs = {k: _check_value(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
-    return cls(**kwargs)
+    return check_ranges(cls(**kwargs), where)
+
+
+def check_ranges(cfg, where: str = ""):
+    """Every field of cfg (and its sections) within its declared range, else a ValueError naming the key;
+    -> cfg. Run at load and again by code that sets fields afterwards (CLI flags)."""
+    for f in dataclasses.fields(cfg):
+        key, value = f"{where}.{f.name}" if where else f.name, getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            check_ranges(value, key)
+            continue
+        ge, gt, le = (f.metadata.get(b) for b in ("ge", "gt", "le"))
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and (
+                    (ge is not None and v < ge) or (gt is not None and v <= gt) or (le is not None and v > le)):
+                bound = " and ".join(b for b in (ge is not None and f">= {ge}", gt is not None and f"> {gt}",
+                                                 le is not None and f"<= {le}") if b)
+                raise ValueError(f"{key} = {value!r}: must be {bound}")
+    return cfg
 
 
 def _set_dotted(data: dict, key: str, value) -> None:

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from core.chat import fitting_prompts
-from core.config import RunConfig
+from core.config import RunConfig, check_ranges
 from core.decode import generate, speculative_generate
 from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
@@ -133,6 +133,7 @@ def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, o
     for key, value in overrides.items():
         if value is not None:
             setattr(ev, key, value)
+    check_ranges(ev, "eval")  # CLI flags (--max-prompts 0, ...) are set after the config was validated
     if ev.engine not in ENGINES:
         raise ValueError(f"eval.engine must be one of {ENGINES}, got {ev.engine!r}")
     if ev.draft_tree and len(ev.draft_tree) != 3:
@@ -142,8 +143,6 @@ def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, o
                          "servers greedily with a chain of eval.draft_steps")
     if ev.draft_tree and ev.temperature:
         raise ValueError("eval.draft_tree is greedy only: set eval.temperature=0 or eval.draft_tree=[]")
-    if ev.temperature < 0:
-        raise ValueError(f"eval.temperature must be >= 0, got {ev.temperature}")
     draft_dir = Path(draft) if draft else cfg.run_path / "drafter"
     out_dir = Path(out) if out else cfg.run_path / "eval"
     items = eval_prompts(cfg, load_tokenizer(cfg), prompts)

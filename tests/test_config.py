@@ -1,6 +1,8 @@
+import re
+
 import pytest
 
-from core.config import describe, load_config
+from core.config import check_ranges, describe, load_config
 from tests.conftest import ROOT, run_cli
 
 
@@ -62,3 +64,22 @@ def test_check_compat_refuses_a_missing_or_different_key(tmp_path):
         check_compat(manifest, {"target": "other"}, tmp_path)
     with pytest.raises(ValueError, match="no compat.aux_layers"):
         check_compat(manifest, {"aux_layers": [2, 15, 27]}, tmp_path)
+
+
+@pytest.mark.parametrize("override, says", [
+    ("eval.draft_steps=0", "eval.draft_steps = 0: must be >= 1"), ("eval.draft_steps=-2", "eval.draft_steps = -2"),
+    ("train.epochs=-1", "train.epochs = -1: must be >= 1"), ("train.batch_size=0", "train.batch_size = 0"),
+    ("train.lr=0", "train.lr = 0.0: must be > 0"), ("data_gen.heldout_percent=101", "must be >= 0 and <= 100"),
+    ("data_gen.top_p=1.5", "data_gen.top_p = 1.5: must be > 0 and <= 1"), ("eval.concurrency=[1,0]", "eval.concurrency"),
+    ("extract.aux_layers=[2,-1,5]", "extract.aux_layers = [2, -1, 5]: must be >= 0"),
+    ("eval.max_prompts=0", "eval.max_prompts = 0"), ("eval.max_new_tokens=0", "eval.max_new_tokens = 0"),
+])
+def test_values_out_of_range_name_the_key_at_load(override, says):
+    with pytest.raises(ValueError, match=re.escape(says)) as e:
+        load_config(ROOT / "configs/tiny-random-llama.yaml", [override])
+    assert str(e.value).startswith(str(ROOT / "configs/tiny-random-llama.yaml"))
+
+
+def test_every_shipped_config_is_in_range():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        check_ranges(load_config(path))

@@ -130,7 +130,8 @@ def test_eval_cli_reports_tree_and_sampling_modes(overfit_tiny, tmp_path):
     assert all(r["match"] is None for r in sampled["per_prompt"]) and sampled["acceptance_length"] > 1.0
     assert "speculative sampling at T=0.7" in (t_out / "report.md").read_text()
     for bad, says in (("eval.draft_tree=[3,2]", "eval.draft_tree must be [depth, topk, total]"),
-                      ("eval.temperature=-1", "eval.temperature must be >= 0")):
+                      ("eval.temperature=-1", "eval.temperature = -1.0: must be >= 0"),
+                      ("--max-new-tokens=0", "eval.max_new_tokens = 0: must be >= 1")):
         proc = run_cli("eval", *flags, "--prompts", str(prompts), "--out", str(tmp_path / "bad"), bad, check=False)
         assert proc.returncode != 0 and says in proc.stderr.strip().splitlines()[-1], proc.stderr[-500:]
     assert not (tmp_path / "bad").exists()
