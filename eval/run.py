@@ -138,6 +138,8 @@ def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, o
         raise ValueError(f"eval.engine must be one of {ENGINES}, got {ev.engine!r}")
     if ev.draft_tree and len(ev.draft_tree) != 3:
         raise ValueError(f"eval.draft_tree must be [depth, topk, total] (or [] for a chain), got {ev.draft_tree}")
+    if ev.draft_tree:
+        TreeSpec(*ev.draft_tree)  # its shape checks, before anything loads
     if (ev.draft_tree or ev.temperature) and ev.engine != "hf":
         raise ValueError(f"eval.draft_tree / eval.temperature are hf-engine modes; engine {ev.engine!r} compares "
                          "servers greedily with a chain of eval.draft_steps")

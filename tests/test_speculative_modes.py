@@ -34,6 +34,12 @@ def engine(overfit_tiny):
     return model, drafter, trained, heldout, end_of_turn_ids(tok, model.generation_config)
 
 
+def test_a_tree_cannot_promise_more_nodes_than_it_grows():
+    assert TreeSpec(3, 2, 10).total == 10  # 2 + 4 + 4 nodes
+    with pytest.raises(ValueError, match="at most 10 nodes"):
+        TreeSpec(3, 2, 11)
+
+
 @pytest.mark.parametrize("spec", [TreeSpec(3, 2, 6), TreeSpec(4, 3, 8), TreeSpec(2, 4, 4)])
 def test_tree_at_t0_writes_the_greedy_output(engine, spec, monkeypatch):
     model, drafter, trained, heldout, stop = engine
