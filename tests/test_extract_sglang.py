@@ -62,9 +62,10 @@ def assert_rows_equal_hf(run, reference):
 
 def test_rows_equal_hf_engine_and_mismatches_are_reported_not_written(served, conversations):
     run, model, aux = served
-    ids = HiddenShards(conversations / "hf/hidden").ids
-    hit, wrong = "eagle3-" + ids[5], "eagle3-" + ids[9]
-    with FakeSGLangServer(model, aux, run / "dumps", cache_hit_rids=[hit], wrong_rows_rids=[wrong]) as server:
+    ref = HiddenShards(conversations / "hf/hidden")
+    ids = ref.ids
+    hit, wrong = (ref.load(ids[i])["input_ids"].tolist() for i in (5, 9))
+    with FakeSGLangServer(model, aux, run / "dumps", cache_hit_prompts=[hit], wrong_rows_prompts=[wrong]) as server:
         proc = run_cli("extract", *sglang_flags(run, server.url), check=False)
         assert proc.returncode == 1
         assert "cached_tokens = 3: prefix-cache hit" in proc.stderr and ids[5] in proc.stderr
@@ -72,7 +73,8 @@ def test_rows_equal_hf_engine_and_mismatches_are_reported_not_written(served, co
         assert proc.stderr.strip().splitlines()[-1].startswith("extract: error: 2 samples failed their checks")
         assert len(HiddenShards(run / "hidden")) == 22  # everything else committed, the victims absent
         run_cli("extract", *sglang_flags(run, server.url))  # the rerun fetches just the victims
-        assert len(server.request_times) == 24 + 2 and server.health_checks == 2  # one readiness check per run
+        # per run one readiness check and one probe request
+        assert len(server.request_times) == 24 + 2 + 2 and server.health_checks == 2
     assert_rows_equal_hf(run, conversations)
     assert list((run / "dumps").iterdir()) == []  # every dump consumed
 
@@ -108,13 +110,13 @@ def test_dump_dir_over_budget_pauses_sending(served, conversations):
         for line in proc.stderr:  # the client says it is waiting ...
             if "over its 2 MB budget: pausing new requests" in line:
                 break
-        # ... and sends nothing while the dir is over budget
-        holds_for(lambda: not server.request_times, "no request while the dump dir is over budget", 1.0)
+        # ... and sends nothing but its probe while the dir is over budget
+        holds_for(lambda: len(server.request_times) == 1, "no sample request while the dump dir is over budget", 1.0)
         freed = time.monotonic()
         (dumps / "someone-elses.bin").unlink()
         rest = proc.communicate(timeout=120)[1]
         assert proc.returncode == 0, rest[-2000:]
-        assert len(server.request_times) == 24 and min(server.request_times) >= freed
+        assert len(server.request_times) == 1 + 24 and min(server.request_times[1:]) >= freed
     assert_rows_equal_hf(run, conversations)
 
 

@@ -90,7 +90,7 @@ def real_registry(monkeypatch):
     monkeypatch.setitem(sys.modules, utils_mod.__name__, utils_mod)
     monkeypatch.setattr(registry.HookRegistry, "_hooks", registry.defaultdict(list))
     monkeypatch.setattr(registry.HookRegistry, "_patched", set())
-    monkeypatch.setattr(plugin, "_STATE", None)
+    monkeypatch.setattr(plugin, "_PLUGIN", None)
     return registry, target_mod.SchedulerBatchResultProcessor
 
 
@@ -114,7 +114,7 @@ def test_registers_through_the_real_registry_and_keeps_the_offset_contract(real_
     registry, processor_cls = real_registry
     original = processor_cls._append_prefill_hidden_states
     monkeypatch.setenv(plugin.ENV_DIR, str(tmp_path / "dumps"))
-    assert plugin.register(is_rank0=lambda: True)
+    assert plugin.register(is_writer=lambda: True)
     hooks = registry.HookRegistry._hooks
     assert [(t.name, h) for t, h, _ in hooks[plugin.APPEND_TARGET]] == [("REPLACE", plugin.append_prefill_hidden_states)]
     assert [(t.name, h) for t, h, _ in hooks[plugin.COPY_TARGET]] == [("BEFORE", plugin.copy_final_to_cpu)]
@@ -136,7 +136,7 @@ def test_registers_through_the_real_registry_and_keeps_the_offset_contract(real_
             off_ours = replaced(object(), req=req, logits_output=out, hidden_state_offset=off_ours,
                                 capture_hidden_mode=Mode(full), extend_input_len=n, store=store)
             assert off_ours == off_real
-    plugin._STATE.writer.close()
+    plugin._PLUGIN.close()
 
 
 def test_before_hook_queues_the_final_states_through_sglangs_async_d2h(real_registry, monkeypatch, tmp_path):
@@ -145,7 +145,7 @@ def test_before_hook_queues_the_final_states_through_sglangs_async_d2h(real_regi
     returned. Called with keywords, as SGLang 0.5.23's scheduler does."""
     registry, _ = real_registry
     monkeypatch.setenv(plugin.ENV_DIR, str(tmp_path / "dumps"))
-    assert plugin.register(is_rank0=lambda: True)
+    assert plugin.register(is_writer=lambda: True)
     registry.HookRegistry.apply_hooks()
     final = rows_for(1, range(3))[1]
     result = batch_result(final)
@@ -154,16 +154,16 @@ def test_before_hook_queues_the_final_states_through_sglangs_async_d2h(real_regi
     assert result.logits_output.last_hidden_states is seen
     assert batch_result(final).copy_to_cpu(return_logprob=True, return_hidden_states=False) is final
     assert batch_result(final).copy_to_cpu(True, False) is final
-    plugin._STATE.writer.close()
+    plugin._PLUGIN.close()
 
 
 @pytest.fixture
 def state(tmp_path, monkeypatch):
-    rank0 = {"value": True}
-    st = plugin.DumpState(tmp_path / "dumps", 4, lambda: rank0["value"])
-    monkeypatch.setattr(plugin, "_STATE", st)
-    yield st, rank0
-    st.writer.close()
+    """A writing rank's state, made as the first hook call makes it."""
+    loaded = plugin.Plugin(tmp_path / "dumps", 4, lambda: True)
+    monkeypatch.setattr(plugin, "_PLUGIN", loaded)
+    yield loaded.writer_state()
+    loaded.close()
 
 
 def call(req, out, offset, n, store=True):
@@ -179,7 +179,7 @@ def read_dump(path):
 def test_chunked_prefill_with_decode_rows_warmup_and_health_check(state, caplog):
     """One 9-token prompt prefilled in 3 chunks, each batch also carrying decode rows of another
     request, a warmup request without return_hidden_states and a health check."""
-    st, _ = state
+    st = state
     long_req = Req("conv-7/turn 1", list(range(100, 109)))
     chunks = [range(0, 4), range(4, 7), range(7, 9)]
     for k, chunk in enumerate(chunks):
@@ -207,7 +207,7 @@ def test_chunked_prefill_with_decode_rows_warmup_and_health_check(state, caplog)
 
 
 def test_nothing_wrong_is_written(state):
-    st, rank0 = state
+    st = state
     aux, final = rows_for(1, range(5))
     out = LogitsOut(aux, final)
     call(Req("short", list(range(6))), out, 0, 5)  # 5 rows for a 6-token prompt: row check fails
@@ -215,10 +215,10 @@ def test_nothing_wrong_is_written(state):
     call(aborted, out, 0, 3)
     aborted.inflight_middle_chunks = 0
     call(aborted, out, 3, 2, store=False)  # finished/discarded at its last chunk: buffers dropped
-    rank0["value"] = False
-    call(Req("rank1", list(range(5))), out, 0, 5)  # not attention-TP rank 0
     st.writer.queue.join()
-    assert list(st.writer.dir.iterdir()) == [] and st.stitcher.parts == {}
+    assert [p.name for p in st.writer.dir.iterdir()] == [plugin.failure_path(st.writer.dir, "short").name]
+    assert "5 aux / 5 final rows for 6 prompt tokens" in plugin.failure_path(st.writer.dir, "short").read_text()
+    assert len(st.stitcher) == 0
 
 
 def test_sanitized_rids_stay_inside_the_dump_dir_and_never_collide(tmp_path):
@@ -258,3 +258,124 @@ def test_full_queue_blocks_the_scheduler_until_the_disk_catches_up(tmp_path, mon
     t.join()
     writer.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"r{i}.safetensors" for i in range(4)]
+
+
+# ----------------------------------------------------------------------------- ranks, aborts, failures
+@pytest.fixture
+def scheduler_process(real_registry, monkeypatch, tmp_path):
+    """register() as SGLang's load_plugins() runs it in a scheduler process, before that process's
+    ranks are published; `publish(attn_tp_rank, attn_cp_rank)` then publishes them through a stand-in
+    sglang.srt.runtime_context.get_parallel. Yields (publish, hooked processor class, dump dir)."""
+    registry, processor_cls = real_registry
+    parallel = types.SimpleNamespace()
+    runtime = types.ModuleType("sglang.srt.runtime_context")
+    runtime.get_parallel = lambda: parallel
+    monkeypatch.setitem(sys.modules, runtime.__name__, runtime)
+    dump_dir = tmp_path / "dumps"
+    monkeypatch.setenv(plugin.ENV_DIR, str(dump_dir))
+    assert plugin.register()
+    registry.HookRegistry.apply_hooks()
+    yield (lambda tp, cp: vars(parallel).update(attn_tp_rank=tp, attn_cp_rank=cp)), processor_cls, dump_dir
+    plugin._PLUGIN.close()
+
+
+def prefill(processor_cls, req, chunks, finished_at=None, stop_after=None):
+    """Feed `req`'s prompt rows to the hooked method in `chunks` (row ranges), as SGLang's result
+    processor does; from chunk `finished_at` on the request is aborted (finished, store=False); after
+    `stop_after` chunks nothing more comes."""
+    for k, chunk in enumerate(chunks[:stop_after]):
+        last = k == len(chunks) - 1
+        req.inflight_middle_chunks = 0 if last else 1
+        if k == finished_at:
+            req.finished_reason = {"type": "abort"}
+        aux, final = rows_for(7, chunk)
+        processor_cls._append_prefill_hidden_states(
+            object(), req=req, logits_output=LogitsOut(aux, final), hidden_state_offset=0,
+            capture_hidden_mode=Mode(True), extend_input_len=len(chunk), store=last and not req.finished())
+
+
+def test_abort_between_chunks_frees_the_chunks_and_a_rerun_gets_a_whole_dump(scheduler_process):
+    """SGLang aborts a chunked prefill between chunks (scheduler.process_pending_chunked_abort); the chunk
+    already launched lands finished under the overlap scheduler, or never comes back without it. Its
+    buffered chunks must go either way, and the rerun of the same rid must not see them."""
+    publish, processor_cls, dump_dir = scheduler_process
+    publish(0, 0)
+    chunks = [range(0, 4), range(4, 7), range(7, 10)]
+    prefill(processor_cls, Req("rid-1", list(range(10))), chunks, finished_at=1)  # overlap: lands finished
+    dropped = Req("rid-1", list(range(10)))
+    prefill(processor_cls, dropped, chunks, stop_after=1)  # no overlap: the scheduler just drops the Req
+    rerun = Req("rid-1", list(range(10)))
+    prefill(processor_cls, rerun, chunks)
+    path = plugin.dump_path(dump_dir, "rid-1")
+    wait_until(path.exists, "the rerun's dump")
+    tensors, _ = read_dump(path)
+    assert torch.equal(tensors["aux"], rows_for(7, range(10))[0])
+    del dropped
+    assert len(plugin._PLUGIN.state.stitcher) == 0  # nothing left in the scheduler's memory
+    assert not plugin.failure_path(dump_dir, "rid-1").exists()
+
+
+def test_only_the_attention_group_leader_copies_and_writes(scheduler_process):
+    """SGLang's leader is attn_tp_rank == 0 and attn_cp_rank == 0 (request_receiver.py); with
+    --attn-cp-size 2 both CP ranks see the request, and a second writer would leave an orphan."""
+    publish, processor_cls, dump_dir = scheduler_process
+    publish(0, 1)  # attention-CP rank 1 of the group
+    prefill(processor_cls, Req("cp", list(range(4))), [range(0, 4)])
+    final = rows_for(1, range(3))[1]
+    assert batch_result(final).copy_to_cpu(return_logprob=False, return_hidden_states=True) is final
+    holds_for(lambda: not dump_dir.exists(), "a non-leader rank writes nothing", 0.3)
+    assert not [t for t in threading.enumerate() if t.name == "eagle3-dump-writer"]
+
+
+def test_register_starts_nothing_outside_a_writing_rank(real_registry, monkeypatch, tmp_path):
+    """SGLang loads plugins in its HTTP server, detokenizer and DP controller too, and in a scheduler
+    before its ranks are published (scheduler.run_scheduler_process): register() may only record hooks."""
+    registry, _ = real_registry
+
+    def unpublished():
+        raise RuntimeError("parallel name 'attn_tp_rank' has not been written in this process")
+
+    runtime = types.ModuleType("sglang.srt.runtime_context")
+    runtime.get_parallel = unpublished
+    monkeypatch.setitem(sys.modules, runtime.__name__, runtime)
+    monkeypatch.setenv(plugin.ENV_DIR, str(tmp_path / "dumps"))
+    before = {t for t in threading.enumerate() if t.name == "eagle3-dump-writer"}
+    assert plugin.register()
+    registry.HookRegistry.apply_hooks()
+    assert {t for t in threading.enumerate() if t.name == "eagle3-dump-writer"} == before
+    assert not (tmp_path / "dumps").exists()
+
+
+def hooked_call(processor_cls, req, out, n):
+    return processor_cls._append_prefill_hidden_states(object(), req=req, logits_output=out, hidden_state_offset=0,
+                                                       capture_hidden_mode=Mode(True), extend_input_len=n)
+
+
+def test_missing_or_misaligned_final_states_are_reported_not_raised(scheduler_process):
+    """Without --enable-return-aux-hidden-states SGLang keeps no last_hidden_states (logits_processor.py):
+    the hook must keep the scheduler alive and say why there is no dump."""
+    publish, processor_cls, dump_dir = scheduler_process
+    publish(0, 0)
+    aux, final = rows_for(1, range(5))
+    assert hooked_call(processor_cls, Req("no-final", list(range(5))), LogitsOut(aux, None), 5) == 5
+    assert hooked_call(processor_cls, Req("short-final", list(range(5))), LogitsOut(aux, final[:4]), 5) == 5
+    for name in ("no-final", "short-final"):
+        failed = plugin.failure_path(dump_dir, name)
+        wait_until(failed.exists, f"the failure file of {name}")
+        assert "--enable-return-aux-hidden-states" in failed.read_text()
+    assert sorted(p.name for p in dump_dir.iterdir()) == ["no-final.failed", "short-final.failed"]
+
+
+def test_a_dump_that_fails_to_write_leaves_its_reason(scheduler_process, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    publish, processor_cls, dump_dir = scheduler_process
+    publish(0, 0)
+    monkeypatch.setattr(plugin, "save_file", full_disk)
+    aux, final = rows_for(1, range(3))
+    hooked_call(processor_cls, Req("lost", [1, 2, 3]), LogitsOut(aux, final), 3)
+    failed = dump_dir / "lost.failed"  # the name the client looks for
+    wait_until(failed.exists, "the failure file of the lost dump")
+    assert "No space left on device" in failed.read_text()
+    assert [p.name for p in dump_dir.iterdir()] == ["lost.failed"]
