@@ -277,3 +277,14 @@ def method_signature(rel_path: str, cls: str, name: str) -> tuple[list[str], lis
     """(positional parameter names, keyword-only parameter names) of a real method."""
     args = source_method(rel_path, cls, name).args
     return [a.arg for a in args.posonlyargs + args.args], [a.arg for a in args.kwonlyargs]
+
+
+def source_method_text(rel_path: str, cls: str | None, name: str) -> str:
+    """Source text of a real method (cls None: a top-level function), to pin a behaviour it has."""
+    if cls is None:
+        fn = next((n for n in _parse(rel_path).body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+        if fn is None:
+            raise AssertionError(f"function {name} not found in sglang/{rel_path} ({SGLANG_VERSION})")
+    else:
+        fn = source_method(rel_path, cls, name)
+    return ast.get_source_segment((sglang_root() / rel_path).read_text(), fn)

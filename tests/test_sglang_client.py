@@ -137,3 +137,15 @@ def test_a_lost_dump_is_reported_at_once_and_a_bug_stops_the_run(target, tmp_pat
 
         with pytest.raises(ValueError, match="written twice"):
             extract(server.url, tmp_path / "dumps", samples(["c"], length=7), on_result=buggy)
+
+
+def test_the_orphan_sweep_survives_files_renamed_or_consumed_under_it(tmp_path, monkeypatch):
+    """Hole 4's race on the sweep's path: the server renames its temp into place, or a worker consumes
+    a dump, between the listing and the stat/unlink."""
+    from pathlib import Path
+
+    client = SGLangExtractor("http://127.0.0.1:9", tmp_path, 1, 1, request_timeout=1, dump_timeout=1)
+    ghosts = [tmp_path / ".eagle3-0badc0de-000000000000000000000000.safetensors.tmp7",
+              tmp_path / "eagle3-0badc0de-000000000000000000000000.safetensors"]
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter(ghosts))
+    assert client.clear_stale_dumps() == 0

@@ -4,6 +4,7 @@ the final states through SGLang's _async_d2h, the replacement keeping the origin
 contract, and its dump behaviour on scripted scheduler batches (stand-in Req /
 LogitsProcessorOutput objects with the attributes the real code reads)."""
 
+import ast
 import sys
 import threading
 import tomllib
@@ -23,6 +24,8 @@ from tests.sglang_source import (
     method_signature,
     real_append_prefill_hidden_states,
     sglang_root,
+    source_class,
+    source_method_text,
 )
 
 H = 8
@@ -379,3 +382,35 @@ def test_a_dump_that_fails_to_write_leaves_its_reason(scheduler_process, monkeyp
     wait_until(failed.exists, "the failure file of the lost dump")
     assert "No space left on device" in failed.read_text()
     assert [p.name for p in dump_dir.iterdir()] == ["lost.failed"]
+
+
+def test_sglang_facts_the_plugin_and_client_rely_on():
+    """Each line pins one behaviour of the real 0.5.23 source that a fix for issue 12 builds on."""
+    src = sglang_root()
+    receiver = (src / "srt/managers/scheduler_components/request_receiver.py").read_text()
+    assert receiver.count("get_parallel().attn_tp_rank == 0 and get_parallel().attn_cp_rank == 0") >= 2
+    assert '"attn_cp_rank": (tp_rank // attn_tp_size) % attn_cp_size' in (src / "srt/runtime_context.py").read_text()
+    # the rank is published after plugins load, so register() cannot ask it
+    sched = source_method_text("srt/managers/scheduler.py", None, "run_scheduler_process")
+    assert -1 < sched.index("load_plugins()") < sched.index("publish(")
+    # rids are aborted by prefix, so ours must be prefix-free
+    abort = source_method_text("srt/managers/scheduler.py", "Scheduler", "abort_request")
+    assert "req.rid.startswith(recv_req.rid)" in abort and "chunked_req.rid.startswith(recv_req.rid)" in abort
+    # an abort between chunks finishes the Req; a Req hashes and weak-references by identity
+    assert "req.finished_reason = FINISH_ABORT(" in (src / "srt/disaggregation/utils.py").read_text()
+    finished = source_method_text("srt/managers/schedule_batch.py", "Req", "finished")
+    assert "return self.finished_reason is not None" in finished
+    for f, cls in (("srt/managers/schedule_batch.py", "Req"), ("srt/dllm/mixin/req.py", "ReqDllmMixin")):
+        names = {getattr(n, "name", None) for n in source_class(f, cls).body} | {
+            t.id for n in source_class(f, cls).body if isinstance(n, ast.Assign) for t in n.targets
+            if isinstance(t, ast.Name)}
+        assert not names & {"__eq__", "__hash__", "__slots__"}, (cls, names & {"__eq__", "__hash__", "__slots__"})
+    # without aux capture there are no final states to dump
+    logits = (src / "srt/layers/logits_processor.py").read_text()
+    assert "self.keep_last_hidden_states = features.aux_hidden_state_capture is not None" in logits
+    # plugin errors are logged and swallowed; SGLANG_PLUGINS filters by entry-point name
+    plugins = source_method_text("srt/plugins/__init__.py", None, "load_plugins")
+    assert 'logger.exception("Failed to execute general plugin: %s", name)' in plugins
+    assert "ep.name not in allowed_set" in (src / "srt/plugins/__init__.py").read_text()
+    # a non-streamed abort without an error status answers normally, with finish_reason type "abort"
+    assert 'finish_reason.get("type") != "abort"' in (src / "srt/managers/tokenizer_manager.py").read_text()
