@@ -3,6 +3,7 @@
 are caught, kill -9 resumes exactly, an over-budget dump dir pauses sending; plus the launcher's
 layer ids checked against the real SGLang source."""
 
+import os
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from core.hidden_shards import HiddenShards
 from core.target import load_target, target_info
 from tests.conftest import ROOT, holds_for, run_cli, trained_next
 from tests.fake_sglang_server import FakeSGLangServer
-from tests.sglang_source import sglang_capture_layers
+from tests.sglang_source import sglang_capture_layers, sglang_root
 
 TINY = "configs/tiny-random-llama.yaml"
 
@@ -174,3 +175,45 @@ def test_dump_dir_bytes_skips_a_file_renamed_while_it_is_measured(tmp_path, monk
     real_is_file = Path.is_file  # the ghost was still a file when a checker looked
     monkeypatch.setattr(Path, "is_file", lambda self: self.name.endswith(".tmp123") or real_is_file(self))
     assert dump_dir_bytes(tmp_path) == 100
+
+
+def test_launcher_refuses_flags_that_break_capture_and_sets_watchdog_and_plugins(tmp_path):
+    """The script runs to its `exec python -m sglang.launch_server`, which a recording TEST DOUBLE of
+    python (first on PATH, tmp_path only) answers with the arguments and environment it got."""
+    from extract.sglang_launch import refused_flags
+
+    shim = tmp_path / "bin/python"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\nif [ "$2" = sglang.launch_server ]; then echo "ARGS $*"; '
+                    f'echo "PLUGINS $SGLANG_PLUGINS"; exit 0; fi\nexec {sys.executable} "$@"\n')
+    shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim.parent}:{os.environ['PATH']}", "SGLANG_PLUGINS": "other"}
+    run = tmp_path / "run"
+
+    def launch(*flags):
+        return subprocess.run(["bash", str(ROOT / "scripts/launch_sglang_extract.sh"), TINY, f"run_dir={run}",
+                               "extract.request_timeout=100", "--", *flags], cwd=ROOT, env=env,
+                              capture_output=True, text=True)
+
+    ok = launch("--tp", "2", "--attn-cp-size", "1")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "--watchdog-timeout 400 --tp 2" in ok.stdout and "PLUGINS other,eagle3_hidden_dump" in ok.stdout
+    bad = launch("--allow-auto-truncate")
+    assert bad.returncode != 0 and "truncated prompt" in bad.stderr and "ARGS" not in bad.stdout, bad.stderr[-500:]
+    for flags, said in ((["--attn-cp-size", "2"], "--attn-cp-size > 1"),
+                        (["--disaggregation-mode=prefill"], "never calls the plugin"),
+                        (["--enable-hierarchical-cache", "--tp", "2"], "prefix-cache hit"),
+                        (["--enable-two-batch-overlap"], "skip aux capture")):
+        assert [w for w in refused_flags(flags, "kimi_k2") if said in w], flags
+    assert not refused_flags(["--enable-two-batch-overlap", "--attn-cp-size=1", "--disaggregation-mode", "decode"],
+                             "llama")
+
+
+def test_launcher_flags_exist_in_sglang():
+    """Every flag the launcher sets or refuses is a 0.5.23 server field (flag = "--" + name with - for _)."""
+    fields = "".join(p.read_text() for p in (sglang_root() / "srt/arg_groups/fields").glob("*.py"))
+    for name in ("attn_cp_size", "enable_two_batch_overlap", "disaggregation_mode", "allow_auto_truncate",
+                 "enable_hierarchical_cache", "disable_radix_cache", "watchdog_timeout"):
+        assert f"\n    {name}: " in fields, name
+    assert 'return "--" + name.replace("_", "-")' in (sglang_root() / "srt/arg_groups/arg_utils.py").read_text()
+    assert "    ] = 300\n" in fields.split("watchdog_timeout: ")[1][:400]  # SGLANG_DEFAULT_WATCHDOG_S
