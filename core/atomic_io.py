@@ -7,6 +7,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from core.errors import UserError
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -112,7 +114,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             if i == len(lines) - 1:  # last line without newline: torn write
                 break
-            raise ValueError(f"{path}:{i + 1}: corrupt line in append-only log") from None
+            raise UserError(f"{path}:{i + 1}: corrupt line in append-only log") from None
     return rows
 
 

@@ -8,6 +8,8 @@ into an exported drafter config are translated here; vLLM's speculators schema u
 
 from __future__ import annotations
 
+from core.errors import UserError
+
 # model_type -> how SGLang 0.5.23's set_eagle3_layers_to_capture treats explicit ids
 _SHIFT_ALWAYS = {"llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe"}
 _SHIFT_IF_FIRST_IS_ONE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25"}
@@ -20,9 +22,9 @@ def default_aux_layers(num_layers: int) -> list[int]:
 def resolve_aux_layers(configured: list[int] | None, num_layers: int) -> list[int]:
     layers = list(configured) if configured else default_aux_layers(num_layers)
     if len(layers) != 3 or sorted(layers) != layers or len(set(layers)) != 3:
-        raise ValueError(f"extract.aux_layers = {layers}: need 3 ascending distinct layer ids")
+        raise UserError(f"extract.aux_layers = {layers}: need 3 ascending distinct layer ids")
     if layers[0] < 1 or layers[-1] > num_layers - 1:
-        raise ValueError(f"extract.aux_layers = {layers}: ids must lie in [1, {num_layers - 1}] "
+        raise UserError(f"extract.aux_layers = {layers}: ids must lie in [1, {num_layers - 1}] "
                          "(input of decoder layer i)")
     return layers
 
@@ -33,10 +35,10 @@ def sglang_layer_ids(aux_layers: list[int], model_type: str) -> list[int]:
         return [i - 1 for i in aux_layers]
     if model_type in _SHIFT_IF_FIRST_IS_ONE:
         if aux_layers[0] == 1:
-            raise ValueError("SGLang's deepseek_v2 file cannot capture the input of layer 1 with explicit "
+            raise UserError("SGLang's deepseek_v2 file cannot capture the input of layer 1 with explicit "
                              "ids (it shifts ids starting at 1); choose aux layers starting at >= 2")
         return list(aux_layers)
-    raise ValueError(f"model_type {model_type!r}: SGLang's layer-id rule for it is unknown; add it to "
+    raise UserError(f"model_type {model_type!r}: SGLang's layer-id rule for it is unknown; add it to "
                      "core/aux_layers.py after reading its set_eagle3_layers_to_capture")
 
 

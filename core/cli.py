@@ -1,23 +1,47 @@
-"""The command line every stage shares: --config, --run-dir, and `key=value` overrides."""
+"""The command line every stage shares: --config, --run-dir, --fresh and `key=value` overrides.
+
+User errors (core.errors.UserError, and the OS refusing a write: disk full, read-only dir, no
+permission, no such file) print one line and exit non-zero; anything else is a bug and keeps
+its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
 import sys
 
 from core.config import RunConfig, describe, load_config
+from core.errors import UserError
 
+STAGES = ("data_gen", "extract", "train", "eval")
+RESUMABLE = ("data_gen", "extract", "train")
+SMALL_MACHINE_CORES = 4
 DEFAULT_CONFIG = "configs/smollm2-135m-instruct.yaml"
+_OS_HINTS = {
+    errno.ENOSPC: "the disk is full: free space or pass a --run-dir on a larger disk, then rerun (it resumes)",
+    errno.EDQUOT: "disk quota exceeded: free space or pass a --run-dir elsewhere, then rerun (it resumes)",
+    errno.EROFS: "read-only file system: pass a writable --run-dir",
+    errno.EACCES: "permission denied: pass a --run-dir you can write, or fix its permissions",
+    errno.EPERM: "operation not permitted: pass a --run-dir you own",
+    errno.ENOENT: "no such file or directory",
+}
 
 
 def stage_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    section = prog.split()[0] if prog.split()[0] in STAGES else None  # the demo runs them all
     p = argparse.ArgumentParser(
         prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys (override as key=value):\n" + describe(),
+        epilog=f"config keys of {section or 'every stage'} and the shared ones (override as key=value):\n"
+               + describe(section),
     )
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"run config YAML (default {DEFAULT_CONFIG})")
     p.add_argument("--run-dir", default=None, help="output root (default runs/<name>)")
+    if prog in RESUMABLE or section is None:
+        p.add_argument("--fresh", action="store_true",
+                       help="start over in place: empty the stage's output dir first (other stages' output is kept)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
     return p
 
@@ -30,25 +54,56 @@ def parse_stage_args(prog: str, doc: str, extend=None, argv=None) -> tuple[RunCo
     args = parser.parse_intermixed_args(argv)  # key=value overrides may sit between flags
     try:
         cfg = load_config(args.config, args.overrides)
-    except (ValueError, FileNotFoundError) as e:
+    except UserError as e:
         parser.exit(2, f"{prog}: error: {e}\n")
     if args.run_dir:
         cfg.run_dir = args.run_dir
     setup_logging()
+    set_threads(cfg.threads)
     return cfg, args
+
+
+def set_threads(threads: int) -> int:
+    """torch's intra-op threads: `threads`, else $OMP_NUM_THREADS (launchers set it per process), else
+    1 on small machines, where spinning threads lose whole time slices to any other process."""
+    import torch
+
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    n = threads or (int(env) if env.isdigit() and int(env) > 0 else 0) or (
+        1 if (os.cpu_count() or 1) <= SMALL_MACHINE_CORES else torch.get_num_threads())
+    torch.set_num_threads(n)
+    why = "threads" if threads else "$OMP_NUM_THREADS" if env else f"{os.cpu_count()} cores"
+    logging.getLogger("eagle3").info("torch threads: %d (from %s)", n, why)
+    return n
 
 
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP request drowns the progress
+    for noisy in ("httpx", "accelerate", "datasets"):  # per-request / per-checkpoint INFO lines drown the progress
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def run_main(prog: str, main, cfg, *a, **kw) -> int:
-    """Call a stage's main; user errors (bad files/fields) print one line and exit 1."""
+    """Call a stage's main; user errors print one line and exit 1."""
     try:
         main(cfg, *a, **kw)
-    except (ValueError, FileNotFoundError) as e:
-        sys.stderr.write(f"{prog}: error: {e}\n")
+    except UserError as e:
+        _error_line(f"{prog}: error: {e}")
+        return 1
+    except OSError as e:
+        if e.errno not in _OS_HINTS:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        _error_line(f"{prog}: error: {where}{_OS_HINTS[e.errno]} ({e.strerror})")
         return 1
     return 0
+
+
+def _error_line(text: str) -> None:
+    """The error on a line of its own: progress bars the error interrupted are closed first."""
+    from tqdm import tqdm
+
+    for bar in list(tqdm._instances):
+        bar.close()
+    sys.stderr.write(text + "\n")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from core.errors import UserError
+
 
 def _f(default, help: str, ge=None, gt=None, le=None):
     """A config field with its help text and its range (ge/gt/le; for a list, of every item)."""
@@ -140,6 +142,9 @@ class RunConfig:
     seed: int = _f(0, "seed for everything random")
     run_dir: str = _f("", "output root (default runs/<name>)")
     cache_dir: str = _f("", "model cache (default $EAGLE3_CACHE or ~/.cache/eagle3)")
+    threads: int = _f(0, "torch threads per process; 0 = $OMP_NUM_THREADS when set, else 1 on machines of up to "
+                         "4 cores (2 threads ran up to 60x slower under a competing load there; "
+                         "docs/PERFORMANCE.md), else torch's default", ge=0)
     target: TargetConfig = field(default_factory=TargetConfig)
     data_gen: DataGenConfig = field(default_factory=DataGenConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
@@ -226,7 +231,7 @@ def _set_dotted(data: dict, key: str, value) -> None:
     for p in parts[:-1]:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
-            raise ValueError(f"override {key}: {p} is not a section")
+            raise UserError(f"override {key}: {p} is not a section")
     node[parts[-1]] = value
 
 
@@ -236,31 +241,52 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path} (pass --config configs/<name>.yaml)")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: top level must be a mapping")
+            raise UserError(f"config file not found: {path} (pass --config configs/<name>.yaml)")
+        data = _read_yaml(path)
     for ov in overrides or []:
         if "=" not in ov:
-            raise ValueError(f"override {ov!r}: expected key=value, e.g. train.lr=3e-4")
+            raise UserError(f"override {ov!r}: expected key=value, e.g. train.lr=3e-4")
         key, raw = ov.split("=", 1)
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise UserError(f"override {ov!r}: the value is not valid YAML") from None
+        _set_dotted(data, key.strip(), value)
     try:
         return _from_dict(RunConfig, data, "")
     except ValueError as e:
-        raise ValueError(f"{path or 'config'}: {e}") from None
+        raise UserError(f"{path or 'config'}: {e}") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise UserError(f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: top level must be a mapping")
+    return data
 
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def describe(cls=RunConfig, prefix: str = "") -> str:
-    """Help text: every dotted key with its default and its help string."""
+SHARED_SECTIONS = ("target",)
+
+
+def describe(stage: str | None = None, cls=RunConfig, prefix: str = "") -> str:
+    """Help text: every dotted key with its default and its help string; with a stage, only the
+    top-level keys, the shared sections and that stage's section."""
     lines = []
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config")):
-            lines.append(describe(typing.get_type_hints(cls)[f.name], f"{prefix}{f.name}."))
+            if stage is None or f.name == stage or f.name in SHARED_SECTIONS:
+                lines.append(describe(None, typing.get_type_hints(cls)[f.name], f"{prefix}{f.name}."))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         lines.append(f"  {prefix}{f.name} = {default!r}: {f.metadata.get('help', '')}")

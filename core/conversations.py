@@ -17,6 +17,7 @@ import datasets
 import pyarrow.parquet as pq
 
 from core.atomic_io import atomic_write
+from core.errors import UserError
 
 FEATURES = datasets.Features({
     "id": datasets.Value("string"),
@@ -45,13 +46,14 @@ def write_part(conv_dir: Path, rows: list[dict]) -> Path:
     conv_dir = Path(conv_dir)
     n = len(part_files(conv_dir))
     ds = datasets.Dataset.from_list(rows, features=FEATURES)
-    return atomic_write(conv_dir / f"part-{n:05d}.parquet", lambda p: ds.to_parquet(str(p)))
+    # pyarrow directly: the same file (features in its schema metadata) without a progress bar per part
+    return atomic_write(conv_dir / f"part-{n:05d}.parquet", lambda p: pq.write_table(ds.data.table, str(p)))
 
 
 def read_conversations(conv_dir: Path) -> datasets.Dataset:
     files = part_files(conv_dir)
     if not files:
-        raise FileNotFoundError(f"no conversations in {conv_dir}: run `make generate` first")
+        raise UserError(f"no conversations in {conv_dir}: run `make generate` first")
     tables = [pq.read_table(f) for f in files]
     return datasets.concatenate_datasets([datasets.Dataset(t) for t in tables])
 

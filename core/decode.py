@@ -20,6 +20,7 @@ from transformers import DynamicCache, StaticCache
 
 from core.draft_tree import DraftTree, TreeSpec, draft_tree
 from core.drafter import DraftCache, Eagle3Drafter
+from core.errors import UserError
 
 
 @dataclass
@@ -35,7 +36,7 @@ def new_cache(model, max_len: int) -> StaticCache:
     cache = StaticCache(config=model.config, max_cache_len=max_len)
     for layer in cache.layers:
         if not hasattr(layer, "cumulative_length") or getattr(layer, "is_sliding", False):
-            raise ValueError(f"decode engine: {type(layer).__name__} cache layers are not supported (sliding "
+            raise UserError(f"decode engine: {type(layer).__name__} cache layers are not supported (sliding "
                              "window or non-static attention); use a full-attention target")
     return cache
 

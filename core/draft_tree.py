@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.drafter import DraftCache, Eagle3Drafter
+from core.errors import UserError
 
 
 @dataclass
@@ -26,10 +27,10 @@ class TreeSpec:
 
     def __post_init__(self):
         if min(self.depth, self.topk, self.total) < 1:
-            raise ValueError(f"draft tree depth/topk/total = {self.depth}/{self.topk}/{self.total}: all must be >= 1")
+            raise UserError(f"draft tree depth/topk/total = {self.depth}/{self.topk}/{self.total}: all must be >= 1")
         grown = self.topk + (self.depth - 1) * self.topk**2  # nodes draft_tree creates
         if self.total > grown:  # else fewer tokens are verified than the report says
-            raise ValueError(f"draft tree total = {self.total}: a tree of depth {self.depth} and top-{self.topk} "
+            raise UserError(f"draft tree total = {self.total}: a tree of depth {self.depth} and top-{self.topk} "
                              f"has at most {grown} nodes")
 
 

@@ -26,11 +26,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from core.atomic_io import atomic_write, atomic_write_json
 from core.aux_layers import aux_layers_from_sglang, sglang_layer_ids
+from core.errors import UserError
 
 # SGLang and eval take the embedding from the target; aux_scale is folded into fc.weight.
 EXPORT_EXCLUDE = ("embed_tokens.weight", "aux_scale")
@@ -81,15 +83,15 @@ class DrafterConfig:
     @classmethod
     def from_sglang(cls, cfg: dict, target_model_type: str, target_num_layers: int) -> DrafterConfig:
         if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
-            raise ValueError(f"drafter config.json: architectures = {cfg.get('architectures')}, "
+            raise UserError(f"drafter config.json: architectures = {cfg.get('architectures')}, "
                              "expected ['LlamaForCausalLMEagle3']")
         if cfg.get("tie_word_embeddings"):
-            raise ValueError("drafter config.json: tie_word_embeddings must be false")
+            raise UserError("drafter config.json: tie_word_embeddings must be false")
         ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         top = cfg.get("eagle_aux_hidden_state_layer_ids")  # input-of-layer ids (llama.cpp, vLLM)
         aux_layers = aux_layers_from_sglang(ids, target_model_type, target_num_layers) if ids or not top else top
         if top and list(top) != aux_layers:
-            raise ValueError(f"drafter config.json: eagle_aux_hidden_state_layer_ids = {top} (input of layer) but "
+            raise UserError(f"drafter config.json: eagle_aux_hidden_state_layer_ids = {top} (input of layer) but "
                              f"eagle_config's SGLang ids {ids} capture {aux_layers} on a {target_model_type} "
                              "target: the engines would feed the drafter different layers")
         hidden = cfg["hidden_size"]
@@ -250,8 +252,12 @@ class Eagle3Drafter(nn.Module):
 
     def save_pretrained(self, out_dir: Path) -> None:
         out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
         sd = self.export_state_dict()
+        for name, w in sd.items():  # a NaN drafter loads everywhere and drafts garbage: never write one
+            if w.is_floating_point() and not torch.isfinite(w).all():
+                raise UserError(f"refusing to export {out_dir}: {name} has {int((~torch.isfinite(w)).sum())} "
+                                "non-finite values (training diverged: lower train.lr or check the data)")
+        out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(out_dir / "model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
         atomic_write_json(out_dir / "config.json", self.config.to_sglang())
         atomic_write_json(out_dir / "eagle3_drafter.json", asdict(self.config))
@@ -263,18 +269,35 @@ class Eagle3Drafter(nn.Module):
         in_dir = Path(in_dir)
         cfg_path = in_dir / "config.json"
         if not cfg_path.is_file():
-            raise FileNotFoundError(f"{cfg_path} missing: not a drafter dir (run `make train` first)")
-        c = DrafterConfig.from_sglang(json.loads(cfg_path.read_text()), target_model_type, target_num_layers)
+            raise UserError(f"{cfg_path} missing: not a drafter dir (run `make train` first)")
+        try:
+            c = DrafterConfig.from_sglang(json.loads(cfg_path.read_text()), target_model_type, target_num_layers)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{cfg_path}: not valid JSON ({e})") from None
+        except (KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"{cfg_path}: not an EAGLE-3 drafter config ({type(e).__name__}: {e})") from None
+        vocab, hidden = embed_weight.shape
+        if (c.vocab_size, c.target_hidden_size) != (vocab, hidden):
+            raise UserError(f"{cfg_path}: drafter for a target of vocab {c.vocab_size} / hidden size "
+                            f"{c.target_hidden_size}, but this target has {vocab} / {hidden}: pass the drafter "
+                            "trained for this target (--draft) or set target.model to its target")
         model = cls(c)
-        sd = {k.removeprefix("model.").replace("layers.0.", "midlayer."): v
-              for k, v in load_file(str(in_dir / "model.safetensors")).items()}
+        try:
+            weights = load_file(str(in_dir / "model.safetensors"))
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{in_dir / 'model.safetensors'}: unreadable ({e})") from None
+        sd = {k.removeprefix("model.").replace("layers.0.", "midlayer."): v for k, v in weights.items()}
         sd["embed_tokens.weight"] = embed_weight
         sd["aux_scale"] = torch.ones(3 * c.target_hidden_size)
         if "d2t" not in sd:  # full-vocab head: identity mapping
             sd["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.int64)
             sd["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
-        missing, unexpected = model.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                     for k, v in sd.items()}, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                         for k, v in sd.items()}, strict=False)
+        except RuntimeError as e:  # size mismatches: weights of another shape than config.json says
+            raise UserError(f"{in_dir}/model.safetensors does not fit its config.json: "
+                            f"{str(e).splitlines()[-1].strip()}") from None
         if missing or unexpected:
-            raise ValueError(f"{in_dir}/model.safetensors: missing {missing}, unexpected {unexpected}")
+            raise UserError(f"{in_dir}/model.safetensors: missing {missing}, unexpected {unexpected}")
         return model

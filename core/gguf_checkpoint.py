@@ -19,6 +19,8 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from core.errors import UserError
+
 _TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 _PER_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -58,7 +60,7 @@ def hf_tensor_name(gguf_name: str) -> str:
         return _TOP_LEVEL[gguf_name]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
     if m is None or m[2] not in _PER_LAYER:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
+        raise UserError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
     return f"model.layers.{m[1]}.{_PER_LAYER[m[2]]}.weight"
 
 
@@ -71,7 +73,7 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 def llama_config_kwargs(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     """LlamaConfig kwargs with the values transformers' GGUF loader derives from this metadata."""
     if meta["general.architecture"] != "llama":
-        raise ValueError(f"GGUF architecture {meta['general.architecture']!r} is not llama")
+        raise UserError(f"GGUF architecture {meta['general.architecture']!r} is not llama")
     kwargs = {field: meta[f"llama.{key}"] for key, field in _CONFIG_KEYS.items() if f"llama.{key}" in meta}
     kwargs.setdefault("vocab_size", len(meta["tokenizer.ggml.tokens"]))
     kwargs.update({f"{name}_token_id": meta[f"tokenizer.ggml.{key}"] for key, name in _TOKEN_IDS.items()
@@ -106,7 +108,7 @@ def byte_level_tokenizer(meta: dict[str, Any]):
     kind, pre = meta["tokenizer.ggml.model"], meta.get("tokenizer.ggml.pre")
     if kind != "gpt2" or pre not in _GPT2_SPLIT_PRE or _USER_DEFINED in types \
             or not set("".join(tokens)) <= set(bytes_to_unicode().values()):
-        raise ValueError(f"GGUF tokenizer {kind!r}/{pre!r}: only byte-level BPE with GPT-2's split, "
+        raise UserError(f"GGUF tokenizer {kind!r}/{pre!r}: only byte-level BPE with GPT-2's split, "
                          "byte-alphabet tokens and no user-defined tokens is supported")
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
     backend = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, dropout=None,

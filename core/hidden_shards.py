@@ -2,8 +2,12 @@
 
     hidden/shard-00000.safetensors   input_ids int32 [N], loss_mask uint8 [N], aux [N, 3H], final [M, H]
                                      (+ aux_scale [N, 3], final_scale [M] fp32 when stored as fp8 e4m3)
-    hidden/index.jsonl               append-only: {"id", "shard", "offset", "length", "sha256"}
+    hidden/index.jsonl               append-only: {"id", "shard", "offset", "length", "sha256", "crc32"}
                                      (+ "final_offset", "final_length" when final is stored on loss spans)
+
+Integrity: `crc32` holds a checksum of each stored tensor's rows of the sample, checked whenever they are
+read: a flipped byte in aux or final stops training naming the shard and sample instead of training on
+garbage (`sha256` of input_ids is the sample's identity).
 
 Storage options: dtype bfloat16 (default) | float32 | fp8_e4m3 (core/fp8_rows.py, ~0.5x bf16), and
 spans all (M = N) | loss: final rows only at the positions whose teacher distribution the loss reads
@@ -24,15 +28,17 @@ import logging
 import re
 import struct
 import threading
+import zlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from core.atomic_io import append_jsonl, atomic_write, read_jsonl, remove_partial_writes, repair_jsonl
+from core.errors import UserError
 from core.fp8_rows import FP8, dequantize_rows, quantize_rows
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,10 @@ class SampleMismatch(ValueError):
 
 def ids_sha256(input_ids: torch.Tensor) -> str:
     return hashlib.sha256(np.ascontiguousarray(input_ids.numpy().astype(np.int32)).tobytes()).hexdigest()
+
+
+def crc32(x: torch.Tensor) -> int:
+    return zlib.crc32(x.contiguous().view(torch.uint8).numpy())
 
 
 def shard_name(n: int) -> str:
@@ -108,9 +118,9 @@ class ShardWriter:
     def __init__(self, out_dir: Path, hidden_size: int, dtype: str = "bfloat16", shard_mb: int = 256,
                  spans: str = "all"):
         if dtype not in STORAGE_DTYPES:
-            raise ValueError(f"extract.dtype = {dtype!r}; use one of {sorted(STORAGE_DTYPES)}")
+            raise UserError(f"extract.dtype = {dtype!r}; use one of {sorted(STORAGE_DTYPES)}")
         if spans not in SPANS:
-            raise ValueError(f"extract.spans = {spans!r}; use one of {list(SPANS)}")
+            raise UserError(f"extract.spans = {spans!r}; use one of {list(SPANS)}")
         self.dir, self.hidden, self.dtype, self.spans = Path(out_dir), hidden_size, STORAGE_DTYPES[dtype], spans
         self.shard_bytes = shard_mb * 2**20
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -199,7 +209,8 @@ class ShardWriter:
         rows, offset, final_offset = [], 0, 0
         for sid, t in buf:
             n, m = t["input_ids"].numel(), t["final"].shape[0]
-            row = {"id": sid, "shard": name, "offset": offset, "length": n, "sha256": ids_sha256(t["input_ids"])}
+            row = {"id": sid, "shard": name, "offset": offset, "length": n, "sha256": ids_sha256(t["input_ids"]),
+                   "crc32": {k: crc32(x) for k, x in t.items()}}
             if self.spans == "loss":
                 row.update(final_offset=final_offset, final_length=m)
             rows.append(row)
@@ -226,7 +237,7 @@ class HiddenShards:
     def __init__(self, in_dir: Path):
         self.dir = Path(in_dir)
         if not (self.dir / INDEX).is_file():
-            raise FileNotFoundError(f"{self.dir / INDEX} missing: run `make extract` first")
+            raise UserError(f"{self.dir / INDEX} missing: run `make extract` first")
         self.rows = {r["id"]: r for r in read_jsonl(self.dir / INDEX)}
         self.ids = sorted(self.rows)
         self.final_everywhere = not any("final_length" in r for r in self.rows.values())
@@ -238,41 +249,58 @@ class HiddenShards:
     def num_tokens(self) -> int:
         return sum(r["length"] for r in self.rows.values())
 
+    def digest(self) -> str:
+        """What the shards hold (ids and checksums), for the provenance of what is trained on them."""
+        rows = sorted((r["id"], r["sha256"], sorted(r.get("crc32", {}).items())) for r in self.rows.values())
+        return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
     def _file(self, shard: str):
         if shard not in self._files:
-            f = safe_open(str(self.dir / shard), framework="pt")
+            try:
+                f = safe_open(str(self.dir / shard), framework="pt")
+            except (SafetensorError, OSError) as e:  # truncated, overwritten or missing
+                raise UserError(f"{self.dir / shard}: unreadable shard ({e}); re-extract it: "
+                                "`python -m extract --fresh ...`") from None
             self._files[shard] = (f, set(f.keys()))
         return self._files[shard]
 
-    def _rows(self, shard: str, name: str, lo: int, hi: int) -> torch.Tensor:
-        f, keys = self._file(shard)
-        x = f.get_slice(name)[lo:hi]
-        if f"{name}_scale" in keys:
-            scale = f.get_slice(f"{name}_scale")[lo:hi]
+    def _checked(self, r: dict, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo:hi of one stored tensor, verified against the index's checksum of this sample."""
+        x = self._file(r["shard"])[0].get_slice(name)[lo:hi]
+        want = r.get("crc32", {}).get(name)
+        if want is not None and crc32(x) != want:
+            raise UserError(f"{self.dir / r['shard']}: sample {r['id']!r}: {name} fails its checksum (corrupt shard); "
+                            "re-extract: `python -m extract --fresh ...`")
+        return x
+
+    def _rows(self, r: dict, name: str, lo: int, hi: int) -> torch.Tensor:
+        x = self._checked(r, name, lo, hi)
+        if f"{name}_scale" in self._file(r["shard"])[1]:
+            scale = self._checked(r, f"{name}_scale", lo, hi)
             x = dequantize_rows(x, scale if scale.dim() == 2 else scale[:, None])
         return x
 
     def load(self, sample_id: str, names=("input_ids", "loss_mask", "aux", "final")) -> dict[str, torch.Tensor]:
         r = self.rows[sample_id]
         lo, hi = r["offset"], r["offset"] + r["length"]
-        f = self._file(r["shard"])[0]
-        out = {k: f.get_slice(k)[lo:hi] for k in names if k not in ("aux", "final")}
+        out = {k: self._checked(r, k, lo, hi) for k in names if k not in ("aux", "final")}
         for k in (k for k in ("aux", "final") if k in names):
             if k == "final" and "final_length" in r:  # loss spans: scattered back by the mask
-                out[k] = self._sparse_final(r, out["loss_mask"] if "loss_mask" in out else f.get_slice("loss_mask")[lo:hi])
+                out[k] = self._sparse_final(r, out["loss_mask"] if "loss_mask" in out else
+                                            self._checked(r, "loss_mask", lo, hi))
             else:
-                out[k] = self._rows(r["shard"], k, lo, hi)
+                out[k] = self._rows(r, k, lo, hi)
         if "input_ids" in out and ids_sha256(out["input_ids"]) != r["sha256"]:
-            raise ValueError(f"{self.dir / r['shard']}: sample {r['id']!r} input_ids hash mismatch (corrupt shard)")
+            raise UserError(f"{self.dir / r['shard']}: sample {r['id']!r} input_ids hash mismatch (corrupt shard)")
         return out
 
     def _sparse_final(self, r: dict, loss_mask: torch.Tensor) -> torch.Tensor:
         """final stored on loss spans only -> [T, H] with zero rows where the loss never reads it."""
         need = teacher_positions(loss_mask)
-        rows = self._rows(r["shard"], "final", r["final_offset"], r["final_offset"] + r["final_length"])
-        if int(need.sum()) != rows.shape[0]:
-            raise ValueError(f"{self.dir / r['shard']}: sample {r['id']!r} has {rows.shape[0]} final rows for "
-                             f"{int(need.sum())} loss positions (corrupt shard)")
+        if int(need.sum()) != r["final_length"]:
+            raise UserError(f"{self.dir / r['shard']}: sample {r['id']!r} has {r['final_length']} final rows for "
+                            f"{int(need.sum())} loss positions (corrupt shard)")
+        rows = self._rows(r, "final", r["final_offset"], r["final_offset"] + r["final_length"])
         full = rows.new_zeros(r["length"], rows.shape[1])
         full[need] = rows
         return full

@@ -1,15 +1,30 @@
-"""manifest.json beside every artifact: resolved config, git SHA, inputs, counts, and the
-compatibility keys (target, hidden size, aux layers, vocab) the next stage checks."""
+"""manifest.json beside every artifact: resolved config, git SHA, inputs, counts, the compatibility
+keys (target, hidden size, aux layers, vocab) the next stage checks, and the settings fingerprint.
+
+Provenance: each stage records `settings`, everything that shapes its output (the upstream
+manifest's fingerprint, the config keys of this stage, the data it read). A rerun resumes into an
+output dir only when its settings are the same; otherwise it stops and says what changed, and
+`--fresh` starts the stage over in place. So output is never a mix of two models, two configs or
+two versions of the data.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
 from core.atomic_io import atomic_write_json
 from core.config import RunConfig, to_dict
+from core.errors import UserError
+from core.stage_lock import LOCK_FILE
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
 
 
 def git_sha() -> str:
@@ -21,20 +36,28 @@ def git_sha() -> str:
         return "unknown"
 
 
+def fingerprint(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def write_manifest(out_dir: Path, stage: str, cfg: RunConfig, compat: dict, counts: dict,
-                   inputs: dict | None = None) -> Path:
-    return atomic_write_json(Path(out_dir) / "manifest.json", {
+                   inputs: dict | None = None, settings: dict | None = None, extra: dict | None = None) -> Path:
+    return atomic_write_json(Path(out_dir) / MANIFEST, {
         "stage": stage, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "git_sha": git_sha(), "config": to_dict(cfg), "compat": compat, "counts": counts,
-        "inputs": inputs or {},
+        "inputs": inputs or {}, "settings": settings or {}, "fingerprint": fingerprint(settings or {}),
+        **(extra or {}),
     })
 
 
 def read_manifest(in_dir: Path, producer: str) -> dict:
-    path = Path(in_dir) / "manifest.json"
+    path = Path(in_dir) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path} missing: run `make {producer}` first (or point --run-dir at its output)")
-    return json.loads(path.read_text())
+        raise UserError(f"{path} missing: run `make {producer}` first (or point --run-dir at its output)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e}); re-run `make {producer}`") from None
 
 
 def check_compat(manifest: dict, expected: dict, where: Path) -> None:
@@ -42,8 +65,38 @@ def check_compat(manifest: dict, expected: dict, where: Path) -> None:
     have = manifest.get("compat", {})
     for key, want in expected.items():
         if key not in have:
-            raise ValueError(f"{where}/manifest.json: no compat.{key} (this run expects {want!r}); "
-                             "re-run the producing stage")
+            raise UserError(f"{where}/{MANIFEST}: no compat.{key} (this run expects {want!r}); "
+                            "re-run the producing stage")
         if have[key] != want:
-            raise ValueError(f"{where}/manifest.json: {key} = {have[key]!r} but this run expects {want!r}; "
-                             f"re-run the producing stage or fix the config")
+            raise UserError(f"{where}/{MANIFEST}: {key} = {have[key]!r} but this run expects {want!r}; "
+                            f"re-run the producing stage or fix the config")
+
+
+def _changes(old, new, key: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [c for k in sorted(set(old) | set(new))
+                for c in _changes(old.get(k), new.get(k), f"{key}.{k}" if key else k)]
+    return [] if old == new else [f"{key}: {old!r} -> {new!r}"]
+
+
+def open_stage_dir(out_dir: Path, stage: str, settings: dict, fresh: bool) -> None:
+    """Ready out_dir for output made with `settings`: empty it when fresh; otherwise resume only
+    into output of the same settings. Call with the stage lock held."""
+    out_dir = Path(out_dir)
+    entries = [p for p in out_dir.iterdir() if p.name != LOCK_FILE] if out_dir.is_dir() else []
+    if fresh and entries:
+        log.info("--fresh: removing the %d entries of %s", len(entries), out_dir)
+        for p in entries:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        return
+    if not entries:
+        return
+    manifest = out_dir / MANIFEST
+    old = json.loads(manifest.read_text()).get("settings") if manifest.is_file() else None
+    if old is None:
+        raise UserError(f"{out_dir} holds {stage} output without recorded settings (an older version or "
+                        "another tool made it): pass --fresh to start over in place, or another --run-dir")
+    if changed := _changes(old, settings):
+        more = f" (+{len(changed) - 4} more)" if len(changed) > 4 else ""
+        raise UserError(f"{out_dir} was made with other settings: {'; '.join(changed[:4])}{more}. It cannot be "
+                        f"resumed: pass --fresh to redo {stage} in place, or another --run-dir")

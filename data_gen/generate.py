@@ -25,8 +25,10 @@ from core.atomic_io import atomic_write_json, remove_partial_writes
 from core.chat import fitting_prompts, prompt_ids
 from core.config import RunConfig
 from core.conversations import done_ids, template_hash, write_part
-from core.manifest import write_manifest
+from core.errors import UserError
+from core.manifest import open_stage_dir, write_manifest
 from core.prompts import load_prompts
+from core.stage_lock import stage_lock
 from core.target import end_of_turn_ids, load_target, load_tokenizer, resolve_precision, resolve_target
 from data_gen.chat_tokenize import TemplateError, template_renders_reasoning, tokenize_conversation
 from data_gen.conversation import Regeneration, regenerations, to_rows
@@ -43,12 +45,12 @@ def check_options(cfg: RunConfig) -> None:
     for key, value, allowed in (("backend", dg.backend, ("hf", "openai")), ("reasoning", dg.reasoning,
                                 ("drop", "field", "render")), ("on_bad_record", dg.on_bad_record, ("strict", "skip"))):
         if value not in allowed:
-            raise ValueError(f"data_gen.{key} = {value!r}: use one of {' | '.join(allowed)}")
+            raise UserError(f"data_gen.{key} = {value!r}: use one of {' | '.join(allowed)}")
     if dg.backend == "openai" and not dg.base_url:
-        raise ValueError("data_gen.base_url is empty: set it to the server's /v1 root, "
+        raise UserError("data_gen.base_url is empty: set it to the server's /v1 root, "
                          "e.g. data_gen.base_url=http://127.0.0.1:30000/v1")
     if dg.n < 1 or dg.max_turns < 0:
-        raise ValueError(f"data_gen.n must be >= 1 and data_gen.max_turns >= 0 (got {dg.n}, {dg.max_turns})")
+        raise UserError(f"data_gen.n must be >= 1 and data_gen.max_turns >= 0 (got {dg.n}, {dg.max_turns})")
 
 
 def end_of_turn_strings(cfg: RunConfig, tok, generation_config) -> list[str]:
@@ -177,9 +179,27 @@ def backend_template_reasoning(tok, cfg: RunConfig) -> bool:
     return cfg.data_gen.reasoning == "render" and template_renders_reasoning(tok, cfg.data_gen.chat_template_kwargs)
 
 
-def main(cfg: RunConfig) -> Path:
+SETTINGS_KEYS = ("backend", "model_name", "prompts", "heldout_percent", "max_turns", "n", "reasoning", "end_of_turn",
+                 "chat_template_kwargs", "max_prompt_tokens", "max_context_tokens", "max_new_tokens", "drop_truncated",
+                 "temperature", "top_p", "stop", "request_seed")
+
+
+def generation_settings(cfg: RunConfig, template_hash: str) -> dict:
+    """What shapes a conversation (not how fast it is made, nor how many): a rerun adds to or resumes
+    an output dir only when these are the same, so one dir never mixes two targets or two settings."""
+    return {"target.model": cfg.target.model, "target.dtype": cfg.target.dtype, "seed": cfg.seed,
+            "chat_template_sha256": template_hash, **{f"data_gen.{k}": getattr(cfg.data_gen, k) for k in SETTINGS_KEYS}}
+
+
+def main(cfg: RunConfig, fresh: bool = False) -> Path:
     check_options(cfg)
-    dg, out = cfg.data_gen, cfg.run_path / "conversations"
+    out = cfg.run_path / "conversations"
+    with stage_lock(out, "data_gen"):
+        return generate(cfg, out, fresh)
+
+
+def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
+    dg = cfg.data_gen
     torch.manual_seed(cfg.seed)
     if dg.backend == "hf":
         model, tok = load_target(cfg)
@@ -188,23 +208,30 @@ def main(cfg: RunConfig) -> Path:
         from transformers import GenerationConfig
         tok = load_tokenizer(cfg)
         try:
-            gen_cfg = GenerationConfig.from_pretrained(resolve_target(cfg))
+            gen_cfg = GenerationConfig.from_pretrained(resolve_target(cfg), local_files_only=True)
         except OSError:
             gen_cfg = None
     eot, thash = end_of_turn_strings(cfg, tok, gen_cfg), template_hash(tok.chat_template)
     try:  # a template we can't segment fails here, before any request is sent
         tokenize_conversation(tok, PROBE, eot, [False] * 4, dg.chat_template_kwargs, dg.reasoning == "render")
     except TemplateError as e:
-        raise ValueError(f"target {cfg.target.model}: {e}") from None
+        raise UserError(f"target {cfg.target.model}: {e}") from None
 
     skipped: Counter[str] = Counter()
     prompts = load_prompts(dg.prompts, "train", dg.heldout_percent, dg.on_bad_record == "strict", skipped)
     chosen = fitting_prompts(prompts, tok, dg.max_prompt_tokens, dg.num_samples, skipped, dg.max_turns)
-    if out.is_dir() and (n := remove_partial_writes(out)):
-        log.info("removed %d part files cut short by a kill (their conversations are redone)", n)
-    done = done_ids(out)
     convs = [c for p, ids in sorted(chosen, key=lambda x: len(x[1]))  # similar lengths batch together
              for c in regenerations(p, dg.max_turns, dg.n, dg.request_seed)]
+    if not convs:
+        raise UserError(f"data_gen.prompts = {dg.prompts!r}: no prompt is left to generate from (skipped: "
+                        f"{dict(skipped)}); check the file or raise data_gen.max_prompt_tokens")
+    settings = generation_settings(cfg, thash)  # checked before any "done" id is skipped
+    open_stage_dir(out, "data_gen", settings, fresh)
+    compat = {"target": cfg.target.model, "template_hash": thash}
+    write_manifest(out, "data_gen", cfg, compat, {"status": "in progress"}, {"prompts": dg.prompts}, settings)
+    if n := remove_partial_writes(out):
+        log.info("removed %d part files cut short by a kill (their conversations are redone)", n)
+    done = done_ids(out)
     todo = [c for c in convs if c.id not in done]
     log.info("%d conversations selected (input skipped: %s), %d already done, %d to generate",
              len(convs), dict(skipped), len(convs) - len(todo), len(todo))
@@ -234,11 +261,10 @@ def main(cfg: RunConfig) -> Path:
                "errors_now": dict(failed), "wall_s": round(time.time() - t0, 1),
                "conversations_total": len(done_ids(out))}
     atomic_write_json(out / "summary.json", summary)
-    write_manifest(out, "data_gen", cfg, {"target": cfg.target.model, "template_hash": thash},
-                   summary, {"prompts": dg.prompts})
+    write_manifest(out, "data_gen", cfg, compat, summary, {"prompts": dg.prompts}, settings)
     log.info("conversations in %s: %s", out, summary)
     lost = failed["retries_exhausted"]
     if lost:
-        raise ValueError(f"{lost} conversations failed after {dg.max_retries} retries (errors: {dict(failed)}); "
+        raise UserError(f"{lost} conversations failed after {dg.max_retries} retries (errors: {dict(failed)}); "
                          "everything else is committed: rerun the same command to retry them")
     return out

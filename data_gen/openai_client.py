@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from core.errors import UserError
+
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529}
 REJECT_STATUS = {400, 413, 422}
 
@@ -39,7 +41,7 @@ class RetriesExhausted(Exception):
     """Still failing after max_retries: the sample is left for a rerun."""
 
 
-class ServerMisconfigured(ValueError):
+class ServerMisconfigured(UserError):
     """401/403/404: wrong key, model or URL; retrying can't help."""
 
 

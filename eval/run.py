@@ -16,6 +16,7 @@ Writes report.json, report.md and PNG plots to <run>/eval (or --out).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -25,11 +26,14 @@ import torch
 from tqdm import tqdm
 
 from core.chat import fitting_prompts
-from core.config import RunConfig, check_ranges
+from core.config import RunConfig, check_ranges, to_dict
 from core.decode import generate, speculative_generate
 from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
+from core.errors import UserError
+from core.manifest import check_compat, git_sha, read_manifest, write_manifest
 from core.prompts import load_prompt_file, load_prompts
+from core.stage_lock import stage_lock
 from core.target import (
     cache_root,
     end_of_turn_ids,
@@ -77,7 +81,7 @@ def eval_prompts(cfg: RunConfig, tokenizer, prompt_file: str | None) -> list[tup
     out = [(p.id, ids) for p, ids in fitting_prompts(prompts, tokenizer, cfg.data_gen.max_prompt_tokens,
                                                      cfg.eval.max_prompts, Counter())]
     if not out:
-        raise ValueError(f"no eval prompts of <= {cfg.data_gen.max_prompt_tokens} tokens in "
+        raise UserError(f"no eval prompts of <= {cfg.data_gen.max_prompt_tokens} tokens in "
                          f"{prompt_file or cfg.eval.prompts}")
     return out
 
@@ -129,32 +133,48 @@ def hf_eval(cfg: RunConfig, items: list[tuple[str, list[int]]], draft_dir: Path)
 
 def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, out: str | None = None,
          **overrides) -> dict:
-    ev = cfg.eval
-    for key, value in overrides.items():
-        if value is not None:
-            setattr(ev, key, value)
-    check_ranges(ev, "eval")  # CLI flags (--max-prompts 0, ...) are set after the config was validated
+    set_flags = {key: value for key, value in overrides.items() if value is not None}
+    cfg = dataclasses.replace(cfg, eval=check_ranges(dataclasses.replace(cfg.eval, **set_flags), "eval"))
+    ev = cfg.eval  # the caller's config is left as it was; CLI flags are checked like config values
     if ev.engine not in ENGINES:
-        raise ValueError(f"eval.engine must be one of {ENGINES}, got {ev.engine!r}")
+        raise UserError(f"eval.engine must be one of {ENGINES}, got {ev.engine!r}")
     if ev.draft_tree and len(ev.draft_tree) != 3:
-        raise ValueError(f"eval.draft_tree must be [depth, topk, total] (or [] for a chain), got {ev.draft_tree}")
+        raise UserError(f"eval.draft_tree must be [depth, topk, total] (or [] for a chain), got {ev.draft_tree}")
     if ev.draft_tree:
         TreeSpec(*ev.draft_tree)  # its shape checks, before anything loads
     if (ev.draft_tree or ev.temperature) and ev.engine != "hf":
-        raise ValueError(f"eval.draft_tree / eval.temperature are hf-engine modes; engine {ev.engine!r} compares "
+        raise UserError(f"eval.draft_tree / eval.temperature are hf-engine modes; engine {ev.engine!r} compares "
                          "servers greedily with a chain of eval.draft_steps")
     if ev.draft_tree and ev.temperature:
-        raise ValueError("eval.draft_tree is greedy only: set eval.temperature=0 or eval.draft_tree=[]")
+        raise UserError("eval.draft_tree is greedy only: set eval.temperature=0 or eval.draft_tree=[]")
     draft_dir = Path(draft) if draft else cfg.run_path / "drafter"
     out_dir = Path(out) if out else cfg.run_path / "eval"
+    with stage_lock(out_dir, "eval"):
+        return evaluate(cfg, prompts, draft_dir, out_dir)
+
+
+def drafter_manifest(cfg: RunConfig, draft_dir: Path) -> dict:
+    """Our drafters carry a manifest naming their target: a drafter of another target is refused here,
+    before anything loads (other trainers' drafters have none; their config.json is checked on load)."""
+    if not (draft_dir / "manifest.json").is_file():
+        return {}
+    manifest = read_manifest(draft_dir, "train")
+    check_compat(manifest, {"target": cfg.target.model}, draft_dir)
+    return manifest
+
+
+def evaluate(cfg: RunConfig, prompts: str | None, draft_dir: Path, out_dir: Path) -> dict:
+    ev = cfg.eval
+    drafted_by = drafter_manifest(cfg, draft_dir) if ev.engine != "server" else {}
     items = eval_prompts(cfg, load_tokenizer(cfg), prompts)
     k, n = ev.draft_steps, ev.max_new_tokens
     report = {"engine": ev.engine, "target": cfg.target.model, "drafter": str(draft_dir),
-              "prompts": prompts or ev.prompts, "max_new_tokens": n}
+              "drafter_fingerprint": drafted_by.get("fingerprint"), "prompts": prompts or ev.prompts,
+              "max_new_tokens": n, "git_sha": git_sha(), "config": to_dict(cfg)}
     results: list[dict] = []
     if ev.engine == "server":
         if not (ev.base_url and ev.spec_url):
-            raise ValueError("eval.engine=server needs both --base URL and --spec URL (eval.base_url, eval.spec_url)")
+            raise UserError("eval.engine=server needs both --base URL and --spec URL (eval.base_url, eval.spec_url)")
         server = compare_servers(ev.base_url.rstrip("/"), ev.spec_url.rstrip("/"), items, n, ev.concurrency,
                                  ev.server_type)
         report.update({**server_summary(server, k), "device": f"{ev.server_type} servers", "server": server})
@@ -170,6 +190,9 @@ def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, o
             report.update({"hf_engine": {key: report[key] for key in hf}, **server_summary(server, k),
                            "device": "llama.cpp b11434 llama-server, CPU", "server": server})
     write_report(out_dir, report, results)
+    write_manifest(out_dir, "eval", cfg, {"target": cfg.target.model}, {"prompts": len(items)},
+                   {"drafter": str(draft_dir), "prompts": prompts or ev.prompts},
+                   {"drafter": drafted_by.get("fingerprint"), "engine": ev.engine})
     log.info("acceptance length %.3f (%s), speedup %.2fx, outputs match baseline: %s; report in %s",
              report["acceptance_length"], f"tree {ev.draft_tree}" if ev.draft_tree else f"K={k}", report["speedup"],
              report["outputs_match_baseline"], out_dir)

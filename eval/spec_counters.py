@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from core.errors import UserError
+
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _COUNTERS = {"spec_decode_num_drafts_total": "drafts", "spec_decode_num_draft_tokens_total": "draft_tokens",
@@ -33,7 +35,7 @@ def prometheus_spec_counters(text: str, prefix: str) -> dict:
         if name == _PER_POS:
             labels = dict(_LABEL.findall(m.group(2) or ""))
             if "position" not in labels:
-                raise ValueError(f"/metrics: {m.group(1)} sample without a position label: {line.strip()!r}")
+                raise UserError(f"/metrics: {m.group(1)} sample without a position label: {line.strip()!r}")
             pos = int(labels["position"])
             per_pos[pos] = per_pos.get(pos, 0.0) + value
         elif name in _COUNTERS:
@@ -46,7 +48,7 @@ def counter_window(before: dict, after: dict) -> dict:
     """τ and per-position acceptance of what happened between two /metrics readings."""
     drafts = after["drafts"] - before["drafts"]
     if drafts <= 0:
-        raise ValueError("the speculative server made no drafts in this window: is drafting on "
+        raise UserError("the speculative server made no drafts in this window: is drafting on "
                          "(llama.cpp: --spec-type draft-eagle3; vLLM: --speculative-config)?")
     prev = before["accepted_per_pos"] + [0.0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
     return {"acceptance_length": 1 + (after["accepted"] - before["accepted"]) / drafts,
@@ -58,10 +60,10 @@ def sglang_window(meta_infos: list[dict]) -> dict:
     """SGLang's τ over requests: Σ completion_tokens / Σ spec_verify_ct (its own definition)."""
     missing = [i for i, m in enumerate(meta_infos) if "spec_verify_ct" not in m]
     if missing:
-        raise ValueError(f"SGLang meta_info of {len(missing)} request(s) has no spec_verify_ct: is the server "
+        raise UserError(f"SGLang meta_info of {len(missing)} request(s) has no spec_verify_ct: is the server "
                          "running with --speculative-algorithm EAGLE3?")
     verify = sum(m["spec_verify_ct"] for m in meta_infos)
     if verify <= 0:
-        raise ValueError("SGLang reported spec_verify_ct == 0 for every request: no speculative step ran")
+        raise UserError("SGLang reported spec_verify_ct == 0 for every request: no speculative step ran")
     return {"acceptance_length": sum(m["completion_tokens"] for m in meta_infos) / verify,
             "per_position_acceptance": None, "verifications": verify, "draft_tokens": None}

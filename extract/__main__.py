@@ -28,4 +28,4 @@ if __name__ == "__main__":
     cfg, args = parse_stage_args("extract", __doc__, extend=engine_flags)
     cfg.extract.engine = args.engine or cfg.extract.engine
     cfg.extract.server_url = args.server or cfg.extract.server_url
-    sys.exit(run_main("extract", main, cfg))
+    sys.exit(run_main("extract", main, cfg, fresh=args.fresh))

@@ -19,8 +19,10 @@ from tqdm import tqdm
 from core.aux_layers import resolve_aux_layers
 from core.config import RunConfig
 from core.conversations import read_conversations
+from core.errors import UserError
 from core.hidden_shards import ShardWriter
-from core.manifest import check_compat, read_manifest, write_manifest
+from core.manifest import check_compat, open_stage_dir, read_manifest, write_manifest
+from core.stage_lock import stage_lock
 from core.target import load_target, resolve_precision, target_info
 from extract.hf_engine import batches_by_tokens, extract_batch
 from extract.sglang_client import SGLangExtractor
@@ -28,19 +30,27 @@ from extract.sglang_client import SGLangExtractor
 log = logging.getLogger("extract")
 
 
-def main(cfg: RunConfig) -> Path:
+def main(cfg: RunConfig, fresh: bool = False) -> Path:
     ex = cfg.extract
     if ex.engine not in ("hf", "sglang"):
-        raise ValueError(f"extract.engine = {ex.engine!r}: use hf | sglang")
-    conv_dir, out = cfg.run_path / "conversations", cfg.run_path / "hidden"
-    check_compat(read_manifest(conv_dir, "generate"), {"target": cfg.target.model}, conv_dir)
+        raise UserError(f"extract.engine = {ex.engine!r}: use hf | sglang")
+    out = cfg.run_path / "hidden"
+    with stage_lock(out, "extract"):
+        return extract(cfg, out, fresh)
+
+
+def extract(cfg: RunConfig, out: Path, fresh: bool) -> Path:
+    ex, conv_dir = cfg.extract, cfg.run_path / "conversations"
+    conv_manifest = read_manifest(conv_dir, "generate")
+    check_compat(conv_manifest, {"target": cfg.target.model}, conv_dir)
     info = target_info(cfg)
     aux_layers = resolve_aux_layers(ex.aux_layers, info.num_layers)
     compat = {"target": cfg.target.model, "hidden_size": info.hidden_size, "aux_layers": aux_layers,
               "vocab_size": info.vocab_size, "dtype": ex.dtype, "spans": ex.spans}
-    if (out / "manifest.json").exists():
-        check_compat(read_manifest(out, "extract"), compat, out)
-    write_manifest(out, "extract", cfg, compat, {"status": "in progress"})
+    # the conversations' own settings, not their count: more conversations of the same settings extend the shards
+    settings = {"conversations": conv_manifest.get("fingerprint"), "target.dtype": cfg.target.dtype, **compat}
+    open_stage_dir(out, "extract", settings, fresh)
+    write_manifest(out, "extract", cfg, compat, {"status": "in progress"}, {"conversations": str(conv_dir)}, settings)
 
     convs = read_conversations(conv_dir)
     writer = ShardWriter(out, info.hidden_size, ex.dtype, ex.shard_mb, ex.spans)
@@ -61,10 +71,10 @@ def main(cfg: RunConfig) -> Path:
     bar.close()
     counts = {"samples": len(writer.done), "extracted_now": len(todo) - sum(failures.values()),
               "failed_now": failures}
-    write_manifest(out, "extract", cfg, compat, counts, {"conversations": str(conv_dir)})
+    write_manifest(out, "extract", cfg, compat, counts, {"conversations": str(conv_dir)}, settings)
     log.info("hidden shards in %s: %s", out, counts)
     if failures:
-        raise ValueError(f"{sum(failures.values())} samples failed their checks ({failures}); the rest is "
+        raise UserError(f"{sum(failures.values())} samples failed their checks ({failures}); the rest is "
                          "committed and nothing wrong was written: rerun to retry them")
     return out
 

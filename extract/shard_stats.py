@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from core.atomic_io import read_jsonl
+from core.errors import UserError
 from core.hidden_shards import INDEX
 
 KIMI_H, KIMI_TOKENS, KIMI_GIB = 7168, 17.3e6, 924
@@ -35,7 +36,7 @@ def read_header(path: Path) -> dict:
 def storage_stats(hidden_dir: Path) -> dict:
     rows = read_jsonl(Path(hidden_dir) / INDEX)
     if not rows:
-        raise ValueError(f"{Path(hidden_dir) / INDEX}: no samples (run `make extract` first)")
+        raise UserError(f"{Path(hidden_dir) / INDEX}: no samples (run `make extract` first)")
     shards = sorted({r["shard"] for r in rows})
     per_tensor: Counter[str] = Counter()
     dtypes, file_bytes, final_rows, hidden = {}, 0, 0, 0

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from core.cli import run_main, setup_logging, stage_parser  # noqa: E402
+from core.cli import run_main, set_threads, setup_logging, stage_parser  # noqa: E402
 from core.config import load_config  # noqa: E402
+from core.errors import UserError  # noqa: E402
 from core.target import cache_root, resolve_precision  # noqa: E402
 from data_gen.generate import main as data_gen_main  # noqa: E402
 from eval.llamacpp_server import cached_server_binary  # noqa: E402
@@ -64,10 +65,11 @@ def main() -> int:
     setup_logging()
     try:
         cfg = load_config(args.config, args.overrides)
-    except (ValueError, FileNotFoundError) as e:
+    except UserError as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 2
-    args.overrides = [*machine_sizes(), *args.overrides]  # the user's key=value win
+    args.overrides = [*machine_sizes(), *args.overrides]  # the user's key=value win (sized at torch's threads)
+    set_threads(cfg.threads)
     if cached_server_binary(cache_root(cfg)) is not None:  # eval also serves the drafter in llama.cpp
         args.overrides = ["eval.engine=llamacpp", *args.overrides]
     times = {}
@@ -78,7 +80,7 @@ def main() -> int:
             cfg.run_dir = args.run_dir
         run_dir = cfg.run_path
         t = time.time()
-        rc = run_main(stage, stage_main, cfg)
+        rc = run_main(stage, stage_main, cfg, **({} if stage == "eval" else {"fresh": args.fresh}))
         gc.collect()
         times[stage] = time.time() - t
         if rc != 0:

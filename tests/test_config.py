@@ -47,6 +47,14 @@ def test_help_lists_every_key():
         assert key in text
 
 
+def test_stage_help_lists_its_own_keys_and_the_shared_ones():
+    from core.cli import stage_parser
+
+    text = stage_parser("train", "doc").format_help()
+    assert all(k in text for k in ("  seed =", "target.model", "train.lr", "--fresh"))
+    assert not any(k in text for k in ("data_gen.", "extract.", "eval."))
+
+
 def test_yaml_bare_no_is_the_string_no(tmp_path):
     """YAML 1.1 reads `mixed_precision: no` as false; the schema takes it as the string it meant."""
     path = tmp_path / "c.yaml"

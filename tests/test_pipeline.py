@@ -114,6 +114,19 @@ def test_report_contract(run):
     assert 1.0 <= r["acceptance_length"] <= 4.0 and len(r["per_position_acceptance"]) == 3
     assert (run_dir / "eval/report.md").read_text().startswith("# EAGLE-3 drafter")
     assert (run_dir / "eval/acceptance.png").stat().st_size > 0
+    assert r["config"]["eval"]["draft_steps"] == 3 and len(r["git_sha"]) in (40, len("unknown"))
+
+
+def test_every_output_dir_records_where_it_came_from(run):
+    """Each stage's manifest: its settings fingerprint and, downstream, the fingerprint it was made from."""
+    _, run_dir, _, _ = run
+    m = {d: json.loads((run_dir / d / "manifest.json").read_text())
+         for d in ("conversations", "hidden", "train", "drafter", "eval")}
+    assert m["hidden"]["settings"]["conversations"] == m["conversations"]["fingerprint"]
+    assert m["train"]["settings"]["hidden"] == m["hidden"]["fingerprint"] == m["drafter"]["settings"]["hidden"]
+    assert m["eval"]["settings"]["drafter"] == m["drafter"]["fingerprint"]
+    assert m["train"]["runtime"]["world_size"] == 1 and m["train"]["runtime"]["torch_threads"] >= 1
+    assert all(x["git_sha"] and x["config"]["target"]["model"] == "smollm2-135m-instruct" for x in m.values())
 
 
 def test_rerun_resumes_without_duplicates(run):

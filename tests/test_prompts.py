@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import UserError
 from core.prompts import Prompt, load_prompt_file, load_prompts, load_sharegpt, split_of
 
 MT_BENCH = Path(__file__).parent / "data/mt_bench_3.jsonl"
@@ -165,7 +166,7 @@ def test_bad_json_file_names_file_and_line(tmp_path, text, where):
 
 
 def test_missing_and_unsupported_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(UserError, match="nope.jsonl"):
         load_prompt_file(tmp_path / "nope.jsonl")
     (tmp_path / "p.txt").write_text("hi")
     with pytest.raises(ValueError, match="p.txt"):

@@ -6,5 +6,5 @@ from core.cli import parse_stage_args, run_main
 from train.loop import main
 
 if __name__ == "__main__":
-    cfg, _ = parse_stage_args("train", __doc__)
-    sys.exit(run_main("train", main, cfg))
+    cfg, args = parse_stage_args("train", __doc__)
+    sys.exit(run_main("train", main, cfg, fresh=args.fresh))

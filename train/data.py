@@ -6,6 +6,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from core.errors import UserError
 from core.hidden_shards import HiddenShards, teacher_positions
 from train.ttt_loss import teacher_argmax
 
@@ -22,7 +23,7 @@ class ShardDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s = self.shards.load(self.ids[i])
         s.update({name: per_id[self.ids[i]] for name, per_id in self.extra.items()})
-        return {k: v[: self.max_len] for k, v in s.items()}
+        return {"id": self.ids[i], **{k: v[: self.max_len] for k, v in s.items()}}
 
 
 def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on_prompt: bool) -> dict[str, torch.Tensor]:
@@ -64,7 +65,7 @@ def aux_rms(shards: HiddenShards, max_samples: int = 128) -> torch.Tensor:
         total = a.pow(2).sum(0) if total is None else total + a.pow(2).sum(0)
         count += a.shape[0]
     if not count:
-        raise ValueError(f"{shards.dir}: no assistant tokens in the first {max_samples} samples")
+        raise UserError(f"{shards.dir}: no assistant tokens in the first {max_samples} samples")
     return (total / count).sqrt().clamp(min=1e-3)
 
 
@@ -80,6 +81,7 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     }
     if "argmax" in samples[0]:
         out["argmax"] = torch.zeros(b, t, dtype=torch.long)
+    out["ids"] = [s["id"] for s in samples]  # named when a batch goes wrong (non-finite loss)
     for i, s in enumerate(samples):
         n = s["input_ids"].numel()
         out["input_ids"][i, :n] = s["input_ids"].long()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from core.errors import UserError
 from core.hidden_shards import HiddenShards
 
 
@@ -24,7 +25,7 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     by lowest id, so the choice is deterministic."""
     vocab_size = counts.numel()
     if not 0 < draft_vocab_size <= vocab_size:
-        raise ValueError(f"train.draft_vocab_size = {draft_vocab_size}: must be in [1, {vocab_size}]")
+        raise UserError(f"train.draft_vocab_size = {draft_vocab_size}: must be in [1, {vocab_size}]")
     # stable sort on -count keeps lower ids first among equal counts
     order = torch.sort(-counts, stable=True).indices
     draft_ids = torch.sort(order[:draft_vocab_size]).values

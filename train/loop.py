@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -26,8 +27,10 @@ from tqdm import tqdm
 from core.atomic_io import append_jsonl, atomic_write_json, atomic_write_text, honour_umask, read_jsonl
 from core.config import RunConfig, to_dict
 from core.drafter import DrafterConfig, Eagle3Drafter
+from core.errors import UserError
 from core.hidden_shards import HiddenShards
-from core.manifest import check_compat, read_manifest, write_manifest
+from core.manifest import check_compat, open_stage_dir, read_manifest, write_manifest
+from core.stage_lock import stage_lock
 from core.target import TargetHead, load_target_embeddings, resolve_precision, target_info
 from train.data import ShardDataset, aux_rms, collate, length_grouped_batches, precompute_argmax
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
@@ -64,6 +67,14 @@ def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, target:
         if aux_scale is not None:
             d.aux_scale.copy_(aux_scale)
     return d
+
+
+def stop_if_not_finite(x: torch.Tensor, what: str, step: int, epoch: int, ids: list[str], shards: HiddenShards):
+    """Training on NaN/inf silently ruins every weight: stop at the first, naming the batch's samples."""
+    if not torch.isfinite(x).all():
+        where = sorted({shards.rows[i]["shard"] for i in ids})
+        raise UserError(f"non-finite {what} ({x.item()}) at step {step} (epoch {epoch}) on samples {ids} of "
+                        f"{shards.dir} {where}: check those samples, or lower train.lr; nothing was exported")
 
 
 def lr_lambda(total_steps: int, warmup: int):
@@ -118,27 +129,110 @@ def log_metrics(accelerator: Accelerator, metrics_path: Path, step: int, epoch: 
     return row
 
 
-def main(cfg: RunConfig) -> Path:
+SETTINGS_EXCLUDED = ("log_every", "save_every", "wandb_mode", "wandb_project", "mixed_precision")
+
+
+def training_settings(cfg: RunConfig, hidden_manifest: dict, shards: HiddenShards, world_size: int,
+                      precision: str) -> dict:
+    """What shapes the drafter: a rerun resumes a checkpoint only when these are the same (the data
+    included: grown or re-extracted shards train anew), so the drafter never mixes two runs."""
+    tc = to_dict(cfg.train)
+    return {"hidden": hidden_manifest.get("fingerprint"), "data": shards.digest(), "samples": len(shards),
+            "seed": cfg.seed, "target.model": cfg.target.model, "world_size": world_size, "precision": precision,
+            **{f"train.{k}": v for k, v in tc.items() if k not in SETTINGS_EXCLUDED}}
+
+
+def make_accelerator(cfg: RunConfig, train_dir: Path) -> Accelerator:
+    """cpu=True where no GPU is: without it Accelerate ignores torchrun's ranks on CPU and each
+    process trains alone; with it the processes form one gloo group."""
     tc = cfg.train
-    hidden_dir, train_dir, out = cfg.run_path / "hidden", cfg.run_path / "train", cfg.run_path / "drafter"
+    accelerator = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available(),
+                              mixed_precision=resolve_precision(tc.mixed_precision),
+                              log_with="wandb" if tc.wandb_mode != "disabled" else None, project_dir=str(train_dir))
+    launched = accelerate_launch_processes()
+    if launched > accelerator.num_processes:
+        raise UserError(f"`accelerate launch --num_processes {launched}` started {accelerator.num_processes} "
+                        "process(es): without GPUs it needs --multi_gpu to start several (CPU processes then "
+                        f"train as one gloo group), or use `torchrun --nproc_per_node {launched} -m train ...`")
+    return accelerator
+
+
+def accelerate_launch_processes() -> int:
+    """--num_processes of an `accelerate launch` that started this process (1 if none): its single-process
+    launcher ignores the flag on a machine without GPUs, which would silently train one process."""
+    try:
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return 1
+    if "launch" not in parent or not any(a.endswith("accelerate") for a in parent):
+        return 1
+    for i, a in enumerate(parent):
+        value = a.split("=", 1)[1] if a.startswith("--num_processes=") else (
+            parent[i + 1] if a == "--num_processes" and i + 1 < len(parent) else None)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 1
+
+
+def open_run(cfg: RunConfig, accelerator: Accelerator, hm: dict, shards: HiddenShards, fresh: bool):
+    """Log where this run trains, and (main process) ready train/ and drafter/ for its settings."""
+    train_dir, out = cfg.run_path / "train", cfg.run_path / "drafter"
+    precision = accelerator.mixed_precision
+    settings = training_settings(cfg, hm, shards, accelerator.num_processes, precision)
+    runtime = {"world_size": accelerator.num_processes, "device": str(accelerator.device),
+               "distributed": str(accelerator.distributed_type), "torch_threads": torch.get_num_threads()}
+    log.info("world size %d (%s), device %s, %d torch threads per process, precision %s",
+             accelerator.num_processes, accelerator.distributed_type, accelerator.device, torch.get_num_threads(),
+             precision)
+    if accelerator.is_main_process:
+        open_stage_dir(train_dir, "train", settings, fresh)
+        if fresh and out.exists():
+            shutil.rmtree(out)
+        write_manifest(train_dir, "train", cfg, {"target": cfg.target.model}, {"status": "in progress"},
+                       {"hidden": str(cfg.run_path / "hidden")}, settings, {"runtime": runtime})
+    return settings, runtime
+
+
+def export(cfg: RunConfig, drafter: Eagle3Drafter, hm: dict, step: int, coverage: float, settings: dict,
+           runtime: dict) -> None:
+    """The SGLang-format drafter, curves.png, and the manifests of drafter/ and train/."""
+    train_dir, out = cfg.run_path / "train", cfg.run_path / "drafter"
+    drafter.save_pretrained(out)
+    rows = read_jsonl(train_dir / "metrics.jsonl")
+    plot_curves(rows, train_dir / "curves.png")
+    last = (rows or [{}])[-1]
+    compat = {key: hm["compat"][key] for key in ("target", "hidden_size", "vocab_size", "aux_layers")}
+    counts = {"steps": step, "draft_vocab_coverage": coverage, "final_metrics": last}
+    for d in (out, train_dir):
+        write_manifest(d, "train", cfg, compat, counts, {"hidden": str(cfg.run_path / "hidden")}, settings,
+                       {"runtime": runtime})
+    log.info("drafter exported to %s (final %s)", out, {k: round(v, 4) for k, v in last.items()})
+
+
+def main(cfg: RunConfig, fresh: bool = False) -> Path:
+    train_dir = cfg.run_path / "train"
+    accelerator = make_accelerator(cfg, train_dir)
+    with stage_lock(train_dir, "train") if accelerator.is_main_process else nullcontext():
+        return train(cfg, accelerator, train_dir, fresh)
+
+
+def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool) -> Path:
+    tc = cfg.train
+    hidden_dir, out = cfg.run_path / "hidden", cfg.run_path / "drafter"
     hm = read_manifest(hidden_dir, "extract")
     check_compat(hm, {"target": cfg.target.model}, hidden_dir)
-    os.environ.setdefault("WANDB_MODE", tc.wandb_mode)
-    trackers = "wandb" if tc.wandb_mode != "disabled" else None
-    precision = resolve_precision(tc.mixed_precision)
-    accelerator = Accelerator(gradient_accumulation_steps=tc.grad_accum, mixed_precision=precision,
-                              log_with=trackers, project_dir=str(train_dir))
-    set_seed(cfg.seed)
-    train_dir.mkdir(parents=True, exist_ok=True)
-
+    precision = accelerator.mixed_precision
     shards = HiddenShards(hidden_dir)
-    if tc.loss_on_prompt and not shards.final_everywhere:
-        raise ValueError(f"train.loss_on_prompt needs final rows on every token, but {hidden_dir} was extracted "
-                         "with extract.spans=loss: re-extract with extract.spans=all or set train.loss_on_prompt=false")
+    if tc.loss_on_prompt and not shards.final_everywhere:  # before anything is written
+        raise UserError(f"train.loss_on_prompt needs final rows on every token, but {hidden_dir} was extracted "
+                        "with extract.spans=loss: re-extract with extract.spans=all or set train.loss_on_prompt=false")
+    settings, runtime = open_run(cfg, accelerator, hm, shards, fresh)
+    accelerator.wait_for_everyone()
+    set_seed(cfg.seed)
     target = load_target_embeddings(cfg)
     draft_ids, t2d, coverage = build_draft_vocab(token_counts(shards, target.embed.shape[0]), tc.draft_vocab_size)
-    log.info("%d samples / %d tokens; draft vocab %d covers %.2f%% of assistant tokens; precision %s on %s",
-             len(shards), shards.num_tokens(), draft_ids.numel(), 100 * coverage, precision, accelerator.device)
+    log.info("%d samples / %d tokens; draft vocab %d covers %.2f%% of assistant tokens",
+             len(shards), shards.num_tokens(), draft_ids.numel(), 100 * coverage)
     drafter = build_drafter(cfg, hm["compat"]["aux_layers"], draft_ids, t2d, target, aux_rms(shards))
     aux_scale = drafter.aux_scale.to(accelerator.device)
     head = target.lm_head.to(accelerator.device)  # [V,H] fp32
@@ -160,9 +254,9 @@ def main(cfg: RunConfig) -> Path:
 
     ckpt_root, metrics_path = train_dir / "checkpoints", train_dir / "metrics.jsonl"
     step, start_epoch, skip = resume(accelerator, ckpt_root, metrics_path)
-    if trackers:
-        accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg),
-                                  init_kwargs={"wandb": {"dir": str(train_dir), "name": cfg.name}})
+    if tc.wandb_mode != "disabled":  # the mode travels with the run, not through a process-wide env var
+        accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg), init_kwargs={
+            "wandb": {"dir": str(train_dir), "name": cfg.name, "mode": tc.wandb_mode}})
     window = None  # per-step loss / accuracy sums of the micro-batches since the last log line
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     for epoch in range(start_epoch, tc.epochs):
@@ -177,10 +271,13 @@ def main(cfg: RunConfig) -> Path:
                 if tc.aux_noise:  # in units of each feature's RMS (the drafter divides aux by aux_scale)
                     aux = aux + (torch.rand_like(aux) * 2 - 1) * tc.aux_noise * aux_scale
                 loss, m = objective(aux, batch["input_ids"], mask, teacher)
+                stop_if_not_finite(loss, "loss", step + 1, epoch, batch["ids"], shards)
                 window = m if window is None else {k: window[k] + v for k, v in m.items()}
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(objective.parameters(), tc.grad_clip)
+                    norm = accelerator.clip_grad_norm_(objective.parameters(), tc.grad_clip)
+                    if norm is not None:
+                        stop_if_not_finite(norm, "gradient norm", step + 1, epoch, batch["ids"], shards)
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
@@ -200,12 +297,5 @@ def main(cfg: RunConfig) -> Path:
     bar.close()
     accelerator.end_training()
     if accelerator.is_main_process:
-        accelerator.unwrap_model(objective).drafter.save_pretrained(out)
-        rows = read_jsonl(metrics_path)
-        plot_curves(rows, train_dir / "curves.png")
-        last = (rows or [{}])[-1]
-        write_manifest(out, "train", cfg, {"target": cfg.target.model, "aux_layers": hm["compat"]["aux_layers"]},
-                       {"steps": step, "draft_vocab_coverage": coverage, "final_metrics": last},
-                       {"hidden": str(hidden_dir)})
-        log.info("drafter exported to %s (final %s)", out, {k: round(v, 4) for k, v in last.items()})
+        export(cfg, accelerator.unwrap_model(objective).drafter, hm, step, coverage, settings, runtime)
     return out

@@ -1,0 +1,269 @@
+"""A run dir that cannot lie (issue 11): each case here once ended in a wrong result with exit 0, or in a
+traceback without the file. Every stage runs through its CLI on a copy of the tiny pipeline's run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.drafter import DrafterConfig, Eagle3Drafter
+from core.errors import UserError
+from core.hidden_shards import INDEX
+from core.stage_lock import LOCK_FILE
+from tests.conftest import ROOT, run_cli, wait_until
+
+
+@pytest.fixture
+def run(overfit_tiny, tmp_path):
+    """A private copy of the finished tiny run (data_gen, extract, train done) -> (run_dir, CLI flags)."""
+    _, src, flags, _ = overfit_tiny
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(LOCK_FILE))
+    return dst, [str(dst) if f == str(src) else f for f in flags]
+
+
+def one_line_error(proc: subprocess.CompletedProcess, stage: str, *says: str) -> str:
+    """The stage failed with exit != 0 and its own one-line message (no traceback) that says `says`."""
+    assert proc.returncode != 0, f"{stage} exited 0:\n{proc.stderr[-2000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = next(x for x in reversed(proc.stderr.splitlines()) if x.startswith(f"{stage}: error:"))
+    for word in says:
+        assert word in line, line
+    return line
+
+
+def files_of(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+# 1. integrity ------------------------------------------------------------------------------------
+
+def test_flipped_aux_bytes_stop_training_naming_shard_and_sample(run):
+    run_dir, flags = run
+    drafter_before = files_of(run_dir / "drafter")
+    rows = [json.loads(x) for x in (run_dir / "hidden" / INDEX).read_text().splitlines()]
+    first = next(r for r in rows if r["shard"] == "shard-00000.safetensors" and r["offset"] == 0)
+    path = run_dir / "hidden" / first["shard"]
+    data = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    start = 8 + n + json.loads(data[8:8 + n])["aux"]["data_offsets"][0]
+    data[start:start + 64] = b"\xff" * 64  # what the issue did: 64 bytes of one sample's aux
+    path.write_bytes(bytes(data))
+    proc = run_cli("train", *flags, check=False)
+    one_line_error(proc, "train", first["shard"], repr(first["id"]), "aux fails its checksum")
+    assert files_of(run_dir / "drafter") == drafter_before
+
+
+def test_truncated_shard_is_named(run):
+    run_dir, flags = run
+    path = run_dir / "hidden" / "shard-00000.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    one_line_error(run_cli("train", *flags, check=False), "train", "shard-00000.safetensors", "unreadable shard")
+
+
+def test_diverging_training_stops_at_the_first_non_finite_loss_and_exports_nothing(run):
+    run_dir, flags = run
+    proc = run_cli("train", *flags, "--fresh", "train.lr=1e30", "train.epochs=2", check=False)
+    line = one_line_error(proc, "train", "non-finite", "at step", "on samples", "shard-")
+    assert "nothing was exported" in line
+    assert not (run_dir / "drafter").exists()  # --fresh removed the old one; no NaN drafter replaced it
+
+
+def test_export_refuses_non_finite_weights(tmp_path):
+    c = DrafterConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=8, vocab_size=64, draft_vocab_size=32, target_hidden_size=16, aux_layers=[1, 2, 3],
+                      target_model_type="llama")
+    drafter = Eagle3Drafter(c)
+    with torch.no_grad():
+        drafter.fc.weight[0, 0] = float("nan")
+    with pytest.raises(UserError, match="fc.weight has 1 non-finite"):
+        drafter.save_pretrained(tmp_path / "drafter")
+    assert not (tmp_path / "drafter").exists()
+
+
+# 2, 3. provenance -------------------------------------------------------------------------------
+
+def test_train_does_not_resume_across_changed_settings(run):
+    run_dir, flags = run
+    before = files_of(run_dir / "drafter")
+    proc = run_cli("train", *flags, "train.lr=5e-3", "train.epochs=6", "train.batch_size=2", check=False)
+    line = one_line_error(proc, "train", "train.lr: 0.003 -> 0.005", "train.batch_size: 4 -> 2",
+                          "train.epochs: 30 -> 6", "--fresh")
+    assert "resumed from" not in proc.stderr, line
+    assert files_of(run_dir / "drafter") == before
+    manifest = json.loads((run_dir / "drafter" / "manifest.json").read_text())
+    assert manifest["config"]["train"]["lr"] == 3e-3  # the manifest still tells what the drafter is
+
+
+def test_grown_data_is_trained_anew_not_resumed(run):
+    run_dir, flags = run
+    run_cli("data_gen", *flags, "data_gen.num_samples=16")  # same settings, more conversations: extends
+    run_cli("extract", *flags, "data_gen.num_samples=16")
+    proc = run_cli("train", *flags, "data_gen.num_samples=16", check=False)
+    one_line_error(proc, "train", "samples: 12 -> 16", "--fresh")
+    run_cli("train", *flags, "data_gen.num_samples=16", "train.epochs=1", "--fresh")
+    manifest = json.loads((run_dir / "drafter" / "manifest.json").read_text())
+    assert manifest["settings"]["samples"] == 16 and manifest["counts"]["steps"] == 4  # 16 / batch 4, 1 epoch
+    rows = [json.loads(x) for x in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the old run's 90 rows are gone
+
+
+def test_data_gen_refuses_another_targets_run_dir_and_changed_generation(run):
+    run_dir, flags = run
+    manifest = (run_dir / "conversations" / "manifest.json").read_bytes()
+    proc = run_cli("data_gen", *flags, "target.model=smollm2-135m-instruct", check=False)
+    one_line_error(proc, "data_gen", "target.model: 'tiny-random-llama' -> 'smollm2-135m-instruct'")
+    proc = run_cli("data_gen", *flags, "data_gen.max_new_tokens=8", check=False)
+    one_line_error(proc, "data_gen", "data_gen.max_new_tokens: 16 -> 8", "--fresh")
+    assert (run_dir / "conversations" / "manifest.json").read_bytes() == manifest
+
+
+def test_extract_refuses_conversations_regenerated_with_other_settings(run):
+    run_dir, flags = run
+    run_cli("data_gen", *flags, "data_gen.max_new_tokens=8", "--fresh")
+    proc = run_cli("extract", *flags, check=False)
+    one_line_error(proc, "extract", "conversations:", "--fresh")
+
+
+# 4. one writer per stage dir ---------------------------------------------------------------------
+
+def test_a_second_train_in_the_same_run_dir_fails_at_once_naming_the_first(run):
+    run_dir, flags = run
+    first = subprocess.Popen([sys.executable, "-m", "train", *flags, "--fresh", "train.epochs=300"], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        lock = run_dir / "train" / LOCK_FILE
+        wait_until(lambda: lock.is_file() and f"pid {first.pid}" in lock.read_text(), "the first train's lock",
+                   timeout=120)
+        one_line_error(run_cli("train", *flags, check=False), "train", f"pid {first.pid}", "one writer")
+        assert first.poll() is None  # the first one goes on
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+
+
+# 6. multi-process training on CPU ----------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU launch path")
+def test_torchrun_two_cpu_processes_train_as_one_gloo_group(run):
+    run_dir, flags = run
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", "-m", "train", *flags, "--fresh",
+                           "train.epochs=2"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((run_dir / "train" / "manifest.json").read_text())
+    assert manifest["runtime"]["world_size"] == 2 and manifest["runtime"]["distributed"].endswith("MULTI_CPU")
+    assert manifest["counts"]["steps"] == 4  # 12 samples / (batch 4 x 2 processes) = 2 steps per epoch
+    assert "world size 2" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU launch path")
+def test_accelerate_launch_that_would_run_one_process_is_refused(run):
+    run_dir, flags = run
+    accelerate = Path(sys.executable).with_name("accelerate")
+    proc = subprocess.run([str(accelerate), "launch", "--num_processes", "2", "-m", "train", *flags],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "train: error: `accelerate launch --num_processes 2` started 1 process(es)" in proc.stderr
+
+
+# 7, 8. one-line errors ---------------------------------------------------------------------------
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntrain:\n  lr: [1e-4\n  epochs: 2\n")
+    proc = run_cli("train", "--config", str(bad), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"train: error: {bad}:") and "YAML syntax" in proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["strict", "skip"])
+def test_non_utf8_prompt_file_names_file_and_line(tmp_path, mode):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'{"prompt": "hello there"}\n{"prompt": "caf\xe9"}\n{"prompt": "fine"}\n')
+    from core.prompts import load_prompt_file
+
+    if mode == "strict":
+        with pytest.raises(UserError, match=rf"{prompts}:2: not UTF-8 text \(byte 0xe9\)"):
+            load_prompt_file(prompts)
+    else:
+        from collections import Counter
+
+        skipped = Counter()
+        kept = load_prompt_file(prompts, strict=False, skipped=skipped)
+        assert [p.id for p in kept] == ["1", "3"] and skipped == {"not_utf8": 1}
+
+
+def test_data_gen_with_every_prompt_skipped_fails(run):
+    _, flags = run
+    proc = run_cli("data_gen", *flags, "--fresh", "data_gen.max_prompt_tokens=2", check=False)
+    one_line_error(proc, "data_gen", "no prompt is left", "prompt_too_long")
+
+
+def test_drafter_with_corrupt_config_or_of_another_target_is_one_line(run, tmp_path):
+    run_dir, flags = run
+    draft = tmp_path / "drafter"
+    shutil.copytree(run_dir / "drafter", draft)
+    (draft / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"], ')
+    one_line_error(run_cli("eval", *flags, "--draft", str(draft), check=False), "eval", f"{draft}/config.json",
+                   "not valid JSON")
+
+    shutil.copy(run_dir / "drafter" / "config.json", draft / "config.json")
+    manifest = json.loads((draft / "manifest.json").read_text())
+    manifest["compat"]["target"] = "smollm2-135m-instruct"
+    (draft / "manifest.json").write_text(json.dumps(manifest))
+    one_line_error(run_cli("eval", *flags, "--draft", str(draft), check=False), "eval",
+                   "target = 'smollm2-135m-instruct' but this run expects 'tiny-random-llama'")
+
+    (draft / "manifest.json").unlink()  # another trainer's drafter: only its config.json tells
+    cfg = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**cfg, "vocab_size": 151936}))
+    one_line_error(run_cli("eval", *flags, "--draft", str(draft), check=False), "eval",
+                   "drafter for a target of vocab 151936")
+
+
+def _in_tmpfs(script: str, size: str) -> subprocess.CompletedProcess:
+    """Run a shell script with /mnt/run a fresh tmpfs of `size` (a private mount namespace: no root needed)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is needed to mount a private tmpfs")
+    return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-ec",
+                           f"mount -t tmpfs -o size={size} tmpfs /mnt && {script}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_full_disk_is_one_line_and_keeps_what_was_committed(tmp_path):
+    py, out, log = sys.executable, tmp_path / "copy", tmp_path / "stderr"
+    flags = "--config configs/tiny-random-llama.yaml --run-dir /mnt/run data_gen.num_samples=40"
+    _in_tmpfs(f"{py} -m data_gen {flags} 2>{log} || echo rc=$? >>{log}; cp -r /mnt {out}", "32k")
+    stderr = log.read_text()
+    assert "rc=1" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert "data_gen: error:" in stderr and "the disk is full" in stderr
+    from core.conversations import read_conversations
+
+    conv = out / "run" / "conversations"
+    parts = sorted(conv.glob("part-*.parquet"))
+    kept = read_conversations(conv)["id"] if parts else []  # every committed part is whole and readable
+    run_cli("data_gen", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(out / "run"),
+            "data_gen.num_samples=40")
+    ids = read_conversations(conv)["id"]
+    assert len(ids) == 40 == len(set(ids)) and set(kept) <= set(ids)
+
+
+def test_read_only_run_dir_is_one_line(run):
+    run_dir, flags = run
+    py = sys.executable
+    args = " ".join(f"'{f}'" for f in flags).replace(str(run_dir), "/mnt/run")
+    proc = _in_tmpfs(f"cp -r {run_dir} /mnt/run && rm -rf /mnt/run/hidden && mount -o remount,ro /mnt && "
+                     f"{py} -m extract {args}", "64m")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "extract: error: /mnt/run/hidden" in proc.stderr and "read-only file system" in proc.stderr
