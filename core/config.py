@@ -208,7 +208,7 @@ def _from_dict(cls, data: dict, where: str):
 
 
 def check_ranges(cfg, where: str = ""):
-    """Every field of cfg (and its sections) within its declared range, else a ValueError naming the key;
+    """Every field of cfg (and its sections) within its declared range, else a UserError naming the key;
     -> cfg. Run at load and again by code that sets fields afterwards (CLI flags)."""
     for f in dataclasses.fields(cfg):
         key, value = f"{where}.{f.name}" if where else f.name, getattr(cfg, f.name)
@@ -221,7 +221,7 @@ def check_ranges(cfg, where: str = ""):
                     (ge is not None and v < ge) or (gt is not None and v <= gt) or (le is not None and v > le)):
                 bound = " and ".join(b for b in (ge is not None and f">= {ge}", gt is not None and f"> {gt}",
                                                  le is not None and f"<= {le}") if b)
-                raise ValueError(f"{key} = {value!r}: must be {bound}")
+                raise UserError(f"{key} = {value!r}: must be {bound}")
     return cfg
 
 

@@ -147,6 +147,8 @@ def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, o
                          "servers greedily with a chain of eval.draft_steps")
     if ev.draft_tree and ev.temperature:
         raise UserError("eval.draft_tree is greedy only: set eval.temperature=0 or eval.draft_tree=[]")
+    if ev.engine == "server" and not (ev.base_url and ev.spec_url):
+        raise UserError("eval.engine=server needs both --base URL and --spec URL (eval.base_url, eval.spec_url)")
     draft_dir = Path(draft) if draft else cfg.run_path / "drafter"
     out_dir = Path(out) if out else cfg.run_path / "eval"
     with stage_lock(out_dir, "eval"):
@@ -173,8 +175,6 @@ def evaluate(cfg: RunConfig, prompts: str | None, draft_dir: Path, out_dir: Path
               "max_new_tokens": n, "git_sha": git_sha(), "config": to_dict(cfg)}
     results: list[dict] = []
     if ev.engine == "server":
-        if not (ev.base_url and ev.spec_url):
-            raise UserError("eval.engine=server needs both --base URL and --spec URL (eval.base_url, eval.spec_url)")
         server = compare_servers(ev.base_url.rstrip("/"), ev.spec_url.rstrip("/"), items, n, ev.concurrency,
                                  ev.server_type)
         report.update({**server_summary(server, k), "device": f"{ev.server_type} servers", "server": server})

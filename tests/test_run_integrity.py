@@ -42,7 +42,7 @@ def one_line_error(proc: subprocess.CompletedProcess, stage: str, *says: str) ->
 
 
 def files_of(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file() and p.name != LOCK_FILE}
 
 
 # 1. integrity ------------------------------------------------------------------------------------
@@ -204,32 +204,39 @@ def test_non_utf8_prompt_file_names_file_and_line(tmp_path, mode):
         assert [p.id for p in kept] == ["1", "3"] and skipped == {"not_utf8": 1}
 
 
-def test_data_gen_with_every_prompt_skipped_fails(run):
-    _, flags = run
-    proc = run_cli("data_gen", *flags, "--fresh", "data_gen.max_prompt_tokens=2", check=False)
-    one_line_error(proc, "data_gen", "no prompt is left", "prompt_too_long")
-
-
-def test_drafter_with_corrupt_config_or_of_another_target_is_one_line(run, tmp_path):
+def test_data_gen_with_every_prompt_skipped_fails_and_keeps_the_data(run, tmp_path):
     run_dir, flags = run
-    draft = tmp_path / "drafter"
+    before = files_of(run_dir / "conversations")
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"tell me a long story number {i}"}) + "\n" for i in range(3)))
+    proc = run_cli("data_gen", *flags, "--fresh", f"data_gen.prompts={prompts}", "data_gen.max_prompt_tokens=2",
+                   check=False)
+    one_line_error(proc, "data_gen", "no prompt is left", "prompt_too_long")
+    assert files_of(run_dir / "conversations") == before  # --fresh empties the dir only for a run that can go on
+
+
+def test_drafter_with_corrupt_config_or_of_another_target_is_one_line(overfit_tiny, run, tmp_path):
+    cfg, run_dir = overfit_tiny[0], run[0]
+    draft, mt = tmp_path / "drafter", str(ROOT / "tests/data/mt_bench_3.jsonl")
     shutil.copytree(run_dir / "drafter", draft)
     (draft / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"], ')
-    one_line_error(run_cli("eval", *flags, "--draft", str(draft), check=False), "eval", f"{draft}/config.json",
-                   "not valid JSON")
+    one_line_error(run_cli("eval", *run[1], "--draft", str(draft), "--prompts", mt, check=False), "eval",
+                   f"{draft}/config.json", "not valid JSON")
+
+    from eval.run import main  # the other cases in-process: the same checks, without a second startup
 
     shutil.copy(run_dir / "drafter" / "config.json", draft / "config.json")
     manifest = json.loads((draft / "manifest.json").read_text())
     manifest["compat"]["target"] = "smollm2-135m-instruct"
     (draft / "manifest.json").write_text(json.dumps(manifest))
-    one_line_error(run_cli("eval", *flags, "--draft", str(draft), check=False), "eval",
-                   "target = 'smollm2-135m-instruct' but this run expects 'tiny-random-llama'")
+    with pytest.raises(UserError, match="target = 'smollm2-135m-instruct' but this run expects 'tiny-random-llama'"):
+        main(cfg, prompts=mt, draft=str(draft), out=str(tmp_path / "eval"))
 
     (draft / "manifest.json").unlink()  # another trainer's drafter: only its config.json tells
-    cfg = json.loads((draft / "config.json").read_text())
-    (draft / "config.json").write_text(json.dumps({**cfg, "vocab_size": 151936}))
-    one_line_error(run_cli("eval", *flags, "--draft", str(draft), check=False), "eval",
-                   "drafter for a target of vocab 151936")
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "vocab_size": 151936}))
+    with pytest.raises(UserError, match="drafter for a target of vocab 151936"):
+        main(cfg, prompts=mt, draft=str(draft), out=str(tmp_path / "eval"))
 
 
 def _in_tmpfs(script: str, size: str) -> subprocess.CompletedProcess:

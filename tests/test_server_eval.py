@@ -1,10 +1,12 @@
 """`python -m eval --engine server` against vLLM and SGLang test doubles (tests/fake_spec_server.py: their
 documented client fields, scripted acceptance), and the counter parsers on their own."""
 
+import copy
 import json
 
 import pytest
 
+from core.errors import UserError
 from eval.spec_counters import counter_window, prometheus_spec_counters, sglang_window
 from tests.conftest import ROOT, run_cli
 from tests.fake_spec_server import FakeSpecServer, rounds
@@ -44,10 +46,13 @@ def test_eval_server_reports_the_engines_own_counts(engine, tmp_path):
     assert (out / "throughput.png").stat().st_size > 10_000
 
 
-def test_eval_server_needs_both_urls(tmp_path):
-    proc = run_cli("eval", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(tmp_path),
-                   "--engine", "server", "--base", "http://127.0.0.1:9", check=False)
-    assert proc.returncode == 1 and "needs both --base URL and --spec URL" in proc.stderr.strip().splitlines()[-1]
+def test_eval_server_needs_both_urls_and_leaves_the_given_config_alone(tiny_cfg):
+    from eval.run import main
+
+    before = copy.deepcopy(tiny_cfg)
+    with pytest.raises(UserError, match="needs both --base URL and --spec URL"):
+        main(tiny_cfg, engine="server", base_url="http://127.0.0.1:9", max_prompts=2)
+    assert tiny_cfg == before  # CLI flags go into eval's own copy
 
 
 def test_prometheus_counters_sum_series_and_window():

@@ -5,6 +5,7 @@ exercised); chain speculative sampling at T=1 draws tokens from the target's own
 
 import json
 import math
+import re
 from collections import Counter
 
 import pytest
@@ -14,6 +15,7 @@ import core.decode as decode
 from core.decode import generate, speculative_generate
 from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
+from core.errors import UserError
 from core.target import end_of_turn_ids, load_target, load_target_embeddings, load_tokenizer, target_info
 from eval.run import eval_prompts
 from tests.conftest import ROOT, run_cli
@@ -123,7 +125,7 @@ def test_speculative_sampling_at_t1_keeps_the_target_distribution(engine, drafte
 def test_eval_cli_reports_tree_and_sampling_modes(overfit_tiny, tmp_path):
     """`python -m eval` with eval.draft_tree / eval.temperature: the report names the mode, counts
     acceptance per tree depth, keeps greedy outputs equal and does not compare sampled ones."""
-    _, _, flags, prompts = overfit_tiny
+    cfg, _, flags, prompts = overfit_tiny
     tree_out, t_out = tmp_path / "tree", tmp_path / "t07"
     run_cli("eval", *flags, "--prompts", str(prompts), "--out", str(tree_out), "eval.draft_tree=[3,2,6]")
     run_cli("eval", *flags, "--prompts", str(prompts), "--out", str(t_out), "eval.temperature=0.7")
@@ -135,9 +137,13 @@ def test_eval_cli_reports_tree_and_sampling_modes(overfit_tiny, tmp_path):
     assert sampled["temperature"] == 0.7 and sampled["outputs_match_baseline"] is None
     assert all(r["match"] is None for r in sampled["per_prompt"]) and sampled["acceptance_length"] > 1.0
     assert "speculative sampling at T=0.7" in (t_out / "report.md").read_text()
-    for bad, says in (("eval.draft_tree=[3,2]", "eval.draft_tree must be [depth, topk, total]"),
-                      ("eval.temperature=-1", "eval.temperature = -1.0: must be >= 0"),
-                      ("--max-new-tokens=0", "eval.max_new_tokens = 0: must be >= 1")):
-        proc = run_cli("eval", *flags, "--prompts", str(prompts), "--out", str(tmp_path / "bad"), bad, check=False)
-        assert proc.returncode != 0 and says in proc.stderr.strip().splitlines()[-1], proc.stderr[-500:]
+    proc = run_cli("eval", *flags, "--prompts", str(prompts), "--out", str(tmp_path / "bad"), "eval.draft_tree=[3,2]",
+                   check=False)
+    assert proc.returncode != 0 and "eval.draft_tree must be [depth, topk, total]" in proc.stderr.splitlines()[-1]
+    from eval.run import main  # the other bad values in-process: the same checks, no second startup
+
+    for bad, says in (({"temperature": -1.0}, "eval.temperature = -1.0: must be >= 0"),
+                      ({"max_new_tokens": 0}, "eval.max_new_tokens = 0: must be >= 1")):
+        with pytest.raises(UserError, match=re.escape(says)):
+            main(cfg, prompts=str(prompts), out=str(tmp_path / "bad"), **bad)
     assert not (tmp_path / "bad").exists()
