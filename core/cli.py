@@ -12,13 +12,14 @@ import errno
 import logging
 import os
 import sys
+import time
+from pathlib import Path
 
 from core.config import RunConfig, describe, load_config
 from core.errors import UserError
 
 STAGES = ("data_gen", "extract", "train", "eval")
 RESUMABLE = ("data_gen", "extract", "train")
-SMALL_MACHINE_CORES = 4
 DEFAULT_CONFIG = "configs/smollm2-135m-instruct.yaml"
 _OS_HINTS = {
     errno.ENOSPC: "the disk is full: free space or pass a --run-dir on a larger disk, then rerun (it resumes)",
@@ -65,16 +66,38 @@ def parse_stage_args(prog: str, doc: str, extend=None, argv=None) -> tuple[RunCo
 
 def set_threads(threads: int) -> int:
     """torch's intra-op threads: `threads`, else $OMP_NUM_THREADS (launchers set it per process), else
-    1 on small machines, where spinning threads lose whole time slices to any other process."""
+    the cores idle right now (at most torch's default): spinning threads on a core that another
+    process holds lose whole time slices, while on an idle machine every core pays (docs/PERFORMANCE.md)."""
     import torch
 
     env = os.environ.get("OMP_NUM_THREADS", "")
-    n = threads or (int(env) if env.isdigit() and int(env) > 0 else 0) or (
-        1 if (os.cpu_count() or 1) <= SMALL_MACHINE_CORES else torch.get_num_threads())
+    if threads:
+        n, why = threads, "threads"
+    elif env.isdigit() and int(env) > 0:
+        n, why = int(env), "$OMP_NUM_THREADS"
+    else:
+        idle = idle_cores()
+        n = max(1, min(torch.get_num_threads(), idle if idle is not None else torch.get_num_threads()))
+        why = f"{idle} of {os.cpu_count()} cores idle" if idle is not None else "torch's default"
     torch.set_num_threads(n)
-    why = "threads" if threads else "$OMP_NUM_THREADS" if env else f"{os.cpu_count()} cores"
     logging.getLogger("eagle3").info("torch threads: %d (from %s)", n, why)
     return n
+
+
+def idle_cores(window_s: float = 0.3) -> int | None:
+    """Cores no process used over a short window (Linux /proc/stat), rounded; None where unreadable."""
+    def sample():
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(window_s)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    share = (idle1 - idle0) / max(1, total1 - total0)
+    return int(share * (os.cpu_count() or 1) + 0.25)
 
 
 def setup_logging() -> None:

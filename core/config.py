@@ -142,9 +142,8 @@ class RunConfig:
     seed: int = _f(0, "seed for everything random")
     run_dir: str = _f("", "output root (default runs/<name>)")
     cache_dir: str = _f("", "model cache (default $EAGLE3_CACHE or ~/.cache/eagle3)")
-    threads: int = _f(0, "torch threads per process; 0 = $OMP_NUM_THREADS when set, else 1 on machines of up to "
-                         "4 cores (2 threads ran up to 60x slower under a competing load there; "
-                         "docs/PERFORMANCE.md), else torch's default", ge=0)
+    threads: int = _f(0, "torch threads per process; 0 = $OMP_NUM_THREADS when set, else the cores idle at start "
+                         "(a thread on a core another process holds slows every step; docs/PERFORMANCE.md)", ge=0)
     target: TargetConfig = field(default_factory=TargetConfig)
     data_gen: DataGenConfig = field(default_factory=DataGenConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)

@@ -1,8 +1,11 @@
 """Shared fixtures: real configs pointed at tmp run dirs; targets come from the embedded packages."""
 
+import fcntl
+import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -82,12 +85,32 @@ def overfit_tiny(tmp_path_factory):
 
     from core.conversations import read_conversations
 
-    run_dir = tmp_path_factory.mktemp("overfit") / "run"
-    cfg = load_config(ROOT / "configs/tiny-random-llama.yaml", [f"run_dir={run_dir}", *OVERFIT])
-    flags = ["--config", "configs/tiny-random-llama.yaml", "--run-dir", str(run_dir), *OVERFIT]
-    for stage in ("data_gen", "extract", "train"):
-        run_cli(stage, *flags)
-    prompts = run_dir / "train_prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": r["conversation_id"], "prompt": r["messages"][0]["content"]}) + "\n"
-                               for r in read_conversations(run_dir / "conversations")))
+    with built_once(tmp_path_factory, "overfit") as (root, built):
+        run_dir = root / "run"
+        cfg = load_config(ROOT / "configs/tiny-random-llama.yaml", [f"run_dir={run_dir}", *OVERFIT])
+        flags = ["--config", "configs/tiny-random-llama.yaml", "--run-dir", str(run_dir), *OVERFIT]
+        prompts = run_dir / "train_prompts.jsonl"
+        if not built:
+            for stage in ("data_gen", "extract", "train"):
+                run_cli(stage, *flags)
+            prompts.write_text("".join(json.dumps({"id": r["conversation_id"], "prompt": r["messages"][0]["content"]})
+                                       + "\n" for r in read_conversations(run_dir / "conversations")))
     return cfg, run_dir, flags, prompts
+
+
+@contextmanager
+def built_once(tmp_path_factory, name: str):
+    """-> (dir, already built?): under `make test`'s xdist workers, one dir for the whole test run,
+    built by the first worker that asks while the others wait on a lock; without xdist a private one."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if uid is None:
+        yield tmp_path_factory.mktemp(name), False
+        return
+    root = tmp_path_factory.getbasetemp().parent / f"{name}-{uid}"
+    root.mkdir(exist_ok=True)
+    with open(root.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / ".built"
+        built = done.exists()
+        yield root, built
+        done.touch()

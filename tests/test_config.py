@@ -1,3 +1,4 @@
+import os
 import re
 
 import pytest
@@ -91,3 +92,28 @@ def test_values_out_of_range_name_the_key_at_load(override, says):
 def test_every_shipped_config_is_in_range():
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         check_ranges(load_config(path))
+
+
+def test_threads_come_from_the_key_then_omp_num_threads_then_the_idle_cores(monkeypatch):
+    import subprocess
+    import sys
+
+    import torch
+
+    from core.cli import idle_cores, set_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert set_threads(3) == 3 == torch.get_num_threads()
+        assert set_threads(0) == 1 == torch.get_num_threads()
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            assert idle_cores(0.5) < os.cpu_count()  # a core held by another process is not counted
+            assert 1 <= set_threads(0) <= max(1, os.cpu_count() - 1)
+        finally:
+            busy.kill()
+            busy.wait()
+    finally:
+        torch.set_num_threads(before)

@@ -27,7 +27,8 @@ def run(overfit_tiny, tmp_path):
     """A private copy of the finished tiny run (data_gen, extract, train done) -> (run_dir, CLI flags)."""
     _, src, flags, _ = overfit_tiny
     dst = tmp_path / "run"
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(LOCK_FILE))
+    for stage_dir in ("conversations", "hidden", "train", "drafter"):  # not eval/: another worker may write it
+        shutil.copytree(src / stage_dir, dst / stage_dir, ignore=shutil.ignore_patterns(LOCK_FILE))
     return dst, [str(dst) if f == str(src) else f for f in flags]
 
 
