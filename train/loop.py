@@ -146,6 +146,8 @@ def make_accelerator(cfg: RunConfig, train_dir: Path) -> Accelerator:
     """cpu=True where no GPU is: without it Accelerate ignores torchrun's ranks on CPU and each
     process trains alone; with it the processes form one gloo group."""
     tc = cfg.train
+    if not torch.cuda.is_available():  # DeepSpeed, imported by Accelerate when installed, else warns on every CPU run
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     accelerator = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available(),
                               mixed_precision=resolve_precision(tc.mixed_precision),
                               log_with="wandb" if tc.wandb_mode != "disabled" else None, project_dir=str(train_dir))
