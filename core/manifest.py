@@ -91,8 +91,8 @@ def open_stage_dir(out_dir: Path, stage: str, settings: dict, fresh: bool) -> No
         return
     if not entries:
         return
-    manifest = out_dir / MANIFEST
-    old = json.loads(manifest.read_text()).get("settings") if manifest.is_file() else None
+    make_target = {"data_gen": "generate"}.get(stage, stage)
+    old = read_manifest(out_dir, make_target).get("settings") if (out_dir / MANIFEST).is_file() else None
     if old is None:
         raise UserError(f"{out_dir} holds {stage} output without recorded settings (an older version or "
                         "another tool made it): pass --fresh to start over in place, or another --run-dir")
