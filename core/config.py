@@ -113,6 +113,14 @@ class TrainConfig:
     wandb_project: str = _f("eagle3", "W&B project")
     mixed_precision: str = _f("auto", "auto | no | bf16; auto = bf16 on GPUs and on CPUs with native bf16 "
                                       "(AVX512-BF16/AMX), fp32 elsewhere (bf16 is ~200x slower there)")
+    attention: str = _f("auto", "auto | dense | flex: TTT attention; flex (CUDA) never builds a [T,T] matrix; "
+                                "auto = flex on CUDA, dense elsewhere")
+    loss_chunk: int = _f(4096, "rows per chunk of the fused draft-head loss, which never holds all [T, Vd] logits; "
+                               "0 = plain autograd (the reference path)", ge=0)
+    compile: str = _f("auto", "auto | yes | no: torch.compile the TTT step's layer (fuses norms, RoPE, SiLU); "
+                              "auto = on CUDA")
+    activation_checkpointing: bool = _f(False, "recompute each TTT step's layer in the backward: less memory, "
+                                               "about a third more layer compute")
 
 
 @dataclass

@@ -40,6 +40,7 @@ class Mutant:
 ALIGN = ("tests/test_draft_alignment.py",)
 RESUME = ("tests/test_resume.py",)
 SAMPLING = ("tests/test_speculative_modes.py::test_speculative_sampling_at_t1_keeps_the_target_distribution",)
+FAST = ("tests/test_ttt_fast_paths.py",)
 TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_output",)
 MUTANTS = [
     Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/loop.py",
@@ -50,9 +51,9 @@ MUTANTS = [
            "torch.tensor([[m + j]], device=hidden.device)", "torch.tensor([[m + j + 1]], device=hidden.device)",
            ALIGN),
     Mutant("M3c", "TTT step k loses its RoPE offset", "train/ttt_loss.py",
-           "shift_left(input_ids, k + 1), positions + k)", "shift_left(input_ids, k + 1), positions)", ALIGN),
+           "shift_left(input_ids, k + 1), positions + k,", "shift_left(input_ids, k + 1), positions,", ALIGN),
     Mutant("M3d", "TTT step k reads x[t+1] instead of x[t+k+1]", "train/ttt_loss.py",
-           "shift_left(input_ids, k + 1), positions + k)", "shift_left(input_ids, 1), positions + k)", ALIGN),
+           "shift_left(input_ids, k + 1), positions + k,", "shift_left(input_ids, 1), positions + k,", ALIGN),
     Mutant("M4a", "optimizer step removed", "train/loop.py", "                opt.step()\n", "", RESUME),
     Mutant("M4b", "per-position acceptance counts a >= i+1", "eval/report.py",
            "sum(a > i + 1 for a in lengths)", "sum(a >= i + 1 for a in lengths)",
@@ -61,7 +62,7 @@ MUTANTS = [
            "    self = args[0]", "    return",
            ("tests/test_sglang_plugin.py::test_before_hook_queues_the_final_states_through_sglangs_async_d2h",)),
     Mutant("K1", "teacher shifted k+1 -> k", "train/ttt_loss.py",
-           "shift_left(p, k + 1)[mask]", "shift_left(p, k)[mask]", ALIGN),
+           "rows.append(bi * t + ti + k + 1)", "rows.append(bi * t + ti + k)", ALIGN),
     Mutant("K2", "aux_scale not folded into fc on export", "core/drafter.py",
            'sd["fc.weight"] = (sd["fc.weight"] / self.aux_scale.cpu()).contiguous()',
            'sd["fc.weight"] = sd["fc.weight"].contiguous()', ("tests/test_drafter.py",)),
@@ -94,6 +95,14 @@ MUTANTS = [
     Mutant("N12", "no top-level layer ids: llama.cpp falls back to [2, L//2, L-3]", "core/drafter.py",
            '"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),', "",
            ("tests/test_llamacpp_export.py",)),
+    Mutant("F1", "flex TTT mask: a query no longer sees its own step-0 key", "train/ttt_attention.py",
+           "pos <= q_idx, pos == q_idx)", "pos < q_idx, pos == q_idx)", FAST),
+    Mutant("F2", "TTT block mask skips the diagonal block of later steps", "train/ttt_attention.py",
+           "part_num = torch.full((1, 1, nb), steps,", "part_num = torch.full((1, 1, nb), 1,", FAST),
+    Mutant("F3", "fused head loss forgets the per-step weights in its gradient", "train/draft_head_loss.py",
+           " - pc) * scales[step][:, None])", " - pc))", FAST),
+    Mutant("F4", "activation checkpointing recomputes with the grown key list", "train/ttt_loss.py",
+           "tuple(keys), tuple(values), block_mask)", "keys, values, block_mask)", FAST),
     Mutant("S1", "speculative sampling draws a rejected draft's replacement from p, not max(p - q, 0)",
            "core/decode.py", "residual = (p[j] - q).clamp(min=0)", "residual = p[j].clone()", SAMPLING),
     Mutant("S2", "speculative sampling accepts every draft", "core/decode.py",

@@ -1,6 +1,7 @@
 """Training and decoding align the drafter the same way, proven through the production functions
 (`ttt_loss`, `speculative_generate`, `extract_batch`, `build_drafter`) on the real SmolLM2 target:
-1. TTT's step-k logits at position t equal the k-th chained draft from t at decode time;
+1. TTT's step-k output (normed, what lm_head reads) at position t equals the k-th chained draft from t
+   at decode time;
 2. a drafter overfit on one sequence drafts that sequence back at decode time (τ ≈ K+1).
 Either fails on an off-by-one in tokens, RoPE positions or the draft cache's rollback."""
 
@@ -15,7 +16,7 @@ from extract.hf_engine import extract_batch
 from tests.conftest import ROOT
 from train.draft_vocab import build_draft_vocab
 from train.loop import build_drafter
-from train.ttt_loss import TTTObjective, teacher_targets, ttt_loss
+from train.ttt_loss import TTTObjective, teacher_argmax, teacher_targets, ttt_loss
 
 K = 3
 ANSWER_TOKENS = 40
@@ -50,21 +51,20 @@ def capture(module: torch.nn.Module) -> list[torch.Tensor]:
     return seen
 
 
-def test_ttt_step_logits_equal_decode_time_drafts(seq, monkeypatch):
+def test_ttt_step_outputs_equal_decode_time_drafts(seq, monkeypatch):
     cfg, model, prompt, answer, ids, aux, _ = seq
     drafter, _, _ = drafter_for(seq, seed=1)
-    torch.nn.init.normal_(drafter.lm_head.weight, std=0.5)  # logits that differ a lot between positions
     drafter.eval()
     full = torch.cat([torch.tensor(prompt), torch.tensor(answer)])
     t_len, p_len = full.numel(), len(prompt)
 
-    ttt_logits = capture(drafter.lm_head)  # TTT over the whole sequence: step k rows = positions 0..T-k-3
+    outputs = capture(drafter.norm)  # TTT over the whole sequence: step k rows = positions 0..T-k-3
     ones = torch.ones(1, t_len, dtype=torch.uint8)
     teacher = (torch.zeros(1, t_len, drafter.config.draft_vocab_size), torch.zeros(1, t_len, dtype=torch.long),
                torch.ones(1, t_len, dtype=torch.bool))
     with torch.no_grad():
         ttt_loss(drafter, aux, ids, ones, teacher, K, 1.0)
-    steps = list(ttt_logits)
+    steps = list(outputs)
     assert [s.shape[0] for s in steps] == [t_len - k - 2 for k in range(K)]
 
     # Decode with the target's own tokens as drafts: every draft is accepted, round r starts at
@@ -76,10 +76,10 @@ def test_ttt_step_logits_equal_decode_time_drafts(seq, monkeypatch):
         return torch.tensor(full[min(p_len + r * (K + 1) + 1 + j, t_len - 1)].item())
 
     monkeypatch.setattr(drafter, "draft_to_target", oracle)
-    ttt_logits.clear()
+    outputs.clear()
     out = speculative_generate(model, drafter, prompt, len(answer), [], K)
     assert out.tokens == answer and out.accept_lengths[:-1] == [K + 1] * (len(out.accept_lengths) - 1)
-    decode = list(ttt_logits)
+    decode = list(outputs)
     tol = {"rtol": 1e-3, "atol": 2e-3}  # aux from one batched pass vs from incremental verifications
     torch.testing.assert_close(decode.pop(0), steps[0][:p_len], **tol, msg="step 0 over the prompt")
     rounds = len(out.accept_lengths)
@@ -102,7 +102,8 @@ def test_overfit_one_sequence_then_decode_accepts_nearly_every_draft(seq):
     drafter, draft_ids, t2d = drafter_for(seq, seed=0)
     loss_mask = torch.zeros_like(ids, dtype=torch.uint8)
     loss_mask[0, len(prompt):] = 1
-    teacher = teacher_targets(final, loss_mask, load_target_embeddings(cfg).lm_head, draft_ids, t2d)
+    lm_head = load_target_embeddings(cfg).lm_head
+    teacher = teacher_targets(final, loss_mask, lm_head[draft_ids], t2d, teacher_argmax(final, lm_head))
     objective = TTTObjective(drafter, K, 0.8)
     opt = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=2e-3)
     for _ in range(300):

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from core.drafter import DraftCache, DrafterConfig, Eagle3Drafter
 from tests.sglang_source import check_drafter_tensor_names, run_sglang_load_weights, sglang_capture_layers
 from train.draft_vocab import build_draft_vocab, d2t_offsets
-from train.ttt_loss import TTTObjective, step_metrics, teacher_targets, ttt_loss
+from train.ttt_loss import TTTObjective, step_metrics, teacher_argmax, teacher_targets, ttt_loss
 
 B, T, H, V, VD = 2, 12, 32, 100, 40
 
@@ -37,6 +37,10 @@ def batch(seed=1):
     return torch.randn(B, T, 3 * H, generator=g), ids, mask, torch.randn(B, T, H, generator=g)
 
 
+def teacher_of(d: Eagle3Drafter, final, mask, lm_head):
+    return teacher_targets(final, mask, lm_head[d.t2d], d.t2d, teacher_argmax(final, lm_head))
+
+
 def test_shapes():
     d = make_drafter()
     aux, ids, _, _ = batch()
@@ -53,7 +57,7 @@ def test_overfits_one_batch():
     d = make_drafter()
     aux, ids, mask, final = batch()
     lm_head = torch.randn(V, H) * 3
-    teacher = teacher_targets(final, mask, lm_head, torch.nonzero(d.t2d).flatten(), d.t2d)
+    teacher = teacher_of(d, final, mask, lm_head)
     obj = TTTObjective(d, steps=3, decay=0.8)
     opt = torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=3e-3)
     first = None
@@ -85,8 +89,7 @@ def test_teacher_drops_targets_outside_draft_vocab():
     final = torch.randn(1, 4, H)
     lm_head = torch.zeros(V, H)
     lm_head[V - 1] = final[0, 1] * 100  # argmax at position 1 -> token V-1, outside the draft vocab
-    _, _, in_vocab = teacher_targets(final, torch.ones(1, 4, dtype=torch.uint8), lm_head,
-                                     torch.nonzero(d.t2d).flatten(), d.t2d)
+    _, _, in_vocab = teacher_of(d, final, torch.ones(1, 4, dtype=torch.uint8), lm_head)
     assert not bool(d.t2d[V - 1]) and in_vocab[0, 1].item() is False
 
 

@@ -129,7 +129,9 @@ def log_metrics(accelerator: Accelerator, metrics_path: Path, step: int, epoch: 
     return row
 
 
-SETTINGS_EXCLUDED = ("log_every", "save_every", "wandb_mode", "wandb_project", "mixed_precision")
+# how the step is computed, not what it computes: a run may resume with other values
+SETTINGS_EXCLUDED = ("log_every", "save_every", "wandb_mode", "wandb_project", "mixed_precision", "attention",
+                     "loss_chunk", "compile", "activation_checkpointing")
 
 
 def training_settings(cfg: RunConfig, hidden_manifest: dict, shards: HiddenShards, world_size: int,
@@ -174,6 +176,24 @@ def accelerate_launch_processes() -> int:
         if value is not None and value.isdigit():
             return int(value)
     return 1
+
+
+def step_options(tc, device: torch.device) -> dict:
+    """train.attention / compile / loss_chunk / activation_checkpointing -> TTTObjective's options."""
+    cuda = device.type == "cuda"
+    choices = {"attention": ("auto", "dense", "flex"), "compile": ("auto", "yes", "no")}
+    for key, allowed in choices.items():
+        if getattr(tc, key) not in allowed:
+            raise UserError(f"train.{key} = {getattr(tc, key)!r}: must be one of {' | '.join(allowed)}")
+    attention = ("flex" if cuda else "dense") if tc.attention == "auto" else tc.attention
+    if attention == "flex" and not cuda:
+        raise UserError("train.attention = flex needs a CUDA device (flex attention has no backward on CPU): "
+                        "use train.attention=dense")
+    compile = cuda if tc.compile == "auto" else tc.compile == "yes"
+    log.info("TTT step: %s attention, fused head loss in chunks of %s rows, compile %s, activation checkpointing %s",
+             attention, tc.loss_chunk or "(off)", compile, tc.activation_checkpointing)
+    return {"attention": attention, "loss_chunk": tc.loss_chunk, "compile": compile,
+            "checkpoint": tc.activation_checkpointing}
 
 
 def open_run(cfg: RunConfig, accelerator: Accelerator, hm: dict, shards: HiddenShards, fresh: bool):
@@ -237,16 +257,16 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
              len(shards), shards.num_tokens(), draft_ids.numel(), 100 * coverage)
     drafter = build_drafter(cfg, hm["compat"]["aux_layers"], draft_ids, t2d, target, aux_rms(shards))
     aux_scale = drafter.aux_scale.to(accelerator.device)
-    head = target.lm_head.to(accelerator.device)  # [V,H] fp32
-    argmax_head = head.bfloat16() if precision == "bf16" else head  # argmax only: bf16 is ~2.7x faster
-    draft_ids_dev, t2d_dev = draft_ids.to(accelerator.device), t2d.to(accelerator.device)
-
-    argmax = precompute_argmax(shards, argmax_head, tc.max_len, tc.loss_on_prompt)
+    matmul_dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # bf16 is ~2.7x faster where native
+    argmax = precompute_argmax(shards, target.lm_head.to(accelerator.device, matmul_dtype), tc.max_len,
+                               tc.loss_on_prompt)
+    draft_head = target.lm_head[draft_ids].to(accelerator.device, matmul_dtype)  # [Vd,H]: the teacher's rows
+    t2d_dev = t2d.to(accelerator.device)
     ds = ShardDataset(shards, shards.ids, tc.max_len, {"argmax": argmax})
     lengths = [min(shards.rows[i]["length"], tc.max_len) for i in shards.ids]
     steps_per_epoch = math.ceil(len(ds) / (tc.batch_size * accelerator.num_processes * tc.grad_accum))
     total_steps = steps_per_epoch * tc.epochs
-    objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay)
+    objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, **step_options(tc, accelerator.device))
     params = [p for p in objective.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, max(1, int(tc.warmup_ratio * total_steps))))
@@ -268,7 +288,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
         for i, batch in enumerate(dl, start=skip):
             with accelerator.accumulate(objective):
                 mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
-                teacher = teacher_targets(batch["final"], mask, head, draft_ids_dev, t2d_dev, batch["argmax"])
+                teacher = teacher_targets(batch["final"], mask, draft_head, t2d_dev, batch["argmax"])
                 aux = batch["aux"]
                 if tc.aux_noise:  # in units of each feature's RMS (the drafter divides aux by aux_scale)
                     aux = aux + (torch.rand_like(aux) * 2 - 1) * tc.aux_noise * aux_scale

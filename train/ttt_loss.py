@@ -13,10 +13,11 @@ Attention at step k: causal over step-0 keys (positions <= t) plus the same-posi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from core.drafter import Eagle3Drafter
 from core.hidden_shards import teacher_positions
+from train.draft_head_loss import draft_head_loss
+from train.ttt_attention import dense_ttt_attention, flex_ttt_attention, padded_length, ttt_block_mask
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -35,67 +36,76 @@ def teacher_argmax(final: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_targets(final: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Tensor,
-                    draft_ids: torch.Tensor, t2d: torch.Tensor, argmax: torch.Tensor | None = None):
+def teacher_targets(final: torch.Tensor, loss_mask: torch.Tensor, draft_head: torch.Tensor, t2d: torch.Tensor,
+                    argmax: torch.Tensor):
     """final [B,T,H] -> (p [B,T,Vd] target probs renormalised over the draft vocab,
     top [B,T] draft index of the target argmax, in_vocab [B,T] whether that argmax is in the draft vocab).
+    draft_head [Vd,H]: the target lm_head's draft-vocab rows, in the matmul dtype (bf16 on GPU; softmax
+    in fp32). argmax [B,T]: the full-vocab argmax (`teacher_argmax`, precomputed once per sample).
     Only positions j whose next token is an assistant token (loss_mask[j+1]) are ever a target, so
-    only those rows are computed. `argmax` [B,T]: the full-vocab argmax, precomputed (else computed here)."""
+    only those rows are computed."""
     b, t, h = final.shape
     need = teacher_positions(loss_mask)  # [B,T]
-    rows = final[need].float()  # [n,H]
-    arg = argmax[need] if argmax is not None else teacher_argmax(rows, lm_head)
     target_to_draft = torch.cumsum(t2d.long(), 0) - 1  # target id -> draft index (where t2d)
-    p = final.new_zeros(b, t, draft_ids.numel(), dtype=torch.float32)
+    p = final.new_zeros(b, t, draft_head.shape[0], dtype=torch.float32)
     top = torch.zeros(b, t, dtype=torch.long, device=final.device)
     in_vocab = torch.zeros(b, t, dtype=torch.bool, device=final.device)
-    p[need] = torch.softmax(rows @ lm_head[draft_ids].float().T, -1)
-    top[need] = target_to_draft[arg].clamp(min=0)
-    in_vocab[need] = t2d[arg]
+    p[need] = torch.softmax((final[need].to(draft_head.dtype) @ draft_head.T).float(), -1)
+    top[need] = target_to_draft[argmax[need]].clamp(min=0)
+    in_vocab[need] = t2d[argmax[need]]
     return p, top, in_vocab
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """q [B,nh,T,d]; keys/values: step 0..k, each [B,nkv,T,d]. -> [B,nh,T,d]."""
-    nh, t, d = q.shape[1], q.shape[2], q.shape[3]
-    rep = nh // keys[0].shape[1]
-    ks = [k.repeat_interleave(rep, 1) for k in keys]
-    vs = [v.repeat_interleave(rep, 1) for v in values]
-    scale = d ** -0.5
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    s0 = (q @ ks[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B,nh,T,T]
-    diag = [(q * k).sum(-1, keepdim=True) * scale for k in ks[1:]]  # k x [B,nh,T,1]
-    p = torch.softmax(torch.cat([s0, *diag], -1).float(), -1).to(q.dtype)
-    out = p[..., :t] @ vs[0]
-    for j, v in enumerate(vs[1:]):
-        out = out + p[..., t + j:t + j + 1] * v
-    return out
+def pad_to(x: torch.Tensor, t: int) -> torch.Tensor:
+    """[B,T,...] zero-padded to length t along dim 1."""
+    return x if x.shape[1] == t else torch.cat([x, x.new_zeros(x.shape[0], t - x.shape[1], *x.shape[2:])], 1)
+
+
+def ttt_step(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, block_mask):
+    """One unrolled step: -> (h2 [B,T,H], this step's k, v). keys/values: the earlier steps'."""
+    q, k, v, residual = drafter.qkv(hidden, tokens, positions)
+    keys, values = [*keys, k], [*values, v]
+    if block_mask is None:
+        attn = dense_ttt_attention(q, keys, values)
+    else:
+        attn = flex_ttt_attention(q, keys, values, block_mask)
+    return drafter.finish(attn, residual), k, v
 
 
 def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-             teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor], steps: int, decay: float):
+             teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor], steps: int, decay: float,
+             attention: str = "dense", loss_chunk: int = 0, checkpoint: bool = False, step_fn=ttt_step):
     """-> (weighted loss, per-step sums {"loss_sum", "correct", "count"}: [K] tensors, detached, not
-    synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`)."""
+    synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`).
+    attention: "dense" | "flex" (train/ttt_attention.py); loss_chunk: rows per chunk of the fused head
+    loss (0: plain autograd; train/draft_head_loss.py); checkpoint: recompute each step's layer in the
+    backward instead of keeping its activations; step_fn: `ttt_step`, or a compiled copy of it."""
     p, top, in_vocab = teacher
     b, t = input_ids.shape
-    positions = torch.arange(t, device=aux.device)[None].expand(b, t)
-    hidden, keys, values = aux, [], []
-    total = aux.new_zeros(())
-    sums = {"loss_sum": [], "correct": [], "count": []}
+    tp = padded_length(t) if attention == "flex" else t  # padded rows count nowhere (loss mask 0)
+    aux, input_ids, loss_mask, in_vocab = (pad_to(x, tp) for x in (aux, input_ids, loss_mask, in_vocab))
+    positions = torch.arange(tp, device=aux.device)[None].expand(b, tp)
+    masks = [shift_left(loss_mask, k + 2).bool() & shift_left(in_vocab, k + 1) for k in range(steps)]  # [B,T]
+    where = [m.nonzero(as_tuple=True) for m in masks]
+    hidden, keys, values, xs, rows = aux, [], [], [], []
     for k in range(steps):
-        q, kk, vv, residual = drafter.qkv(hidden, shift_left(input_ids, k + 1), positions + k)
+        block_mask = ttt_block_mask(tp, k + 1, aux.device) if attention == "flex" else None
+        # tuples: a checkpoint's recompute must see the keys as they were, not the grown list
+        args = (drafter, hidden, shift_left(input_ids, k + 1), positions + k, tuple(keys), tuple(values), block_mask)
+        if checkpoint:
+            hidden, kk, vv = torch.utils.checkpoint.checkpoint(step_fn, *args, use_reentrant=False)
+        else:
+            hidden, kk, vv = step_fn(*args)
         keys.append(kk)
         values.append(vv)
-        hidden = drafter.finish(ttt_attention(q, keys, values), residual)
-        mask = shift_left(loss_mask, k + 2).bool() & shift_left(in_vocab, k + 1)  # [B,T]
-        n = mask.sum()
-        logp = F.log_softmax(drafter.logits(hidden[mask]).float(), -1)  # [n,Vd]: masked rows only
-        loss_sum = -(shift_left(p, k + 1)[mask] * logp).sum()
-        total = total + decay ** k * loss_sum / n.clamp(min=1)
-        sums["loss_sum"].append(loss_sum.detach())
-        sums["correct"].append((logp.argmax(-1) == shift_left(top, k + 1)[mask]).sum().detach())
-        sums["count"].append(n.detach())
-    return total, {name: torch.stack(v).float() for name, v in sums.items()}
+        bi, ti = where[k]
+        xs.append(drafter.norm(hidden[bi, ti]))  # [n_k,H]: the rows that count
+        rows.append(bi * t + ti + k + 1)  # their teacher: the target's distribution at t+k+1
+    counts = torch.stack([m.sum() for m in masks])
+    scales = decay ** torch.arange(steps, device=aux.device) / counts.clamp(min=1)
+    total, loss_sums, correct = draft_head_loss(xs, drafter.lm_head.weight, p.flatten(0, 1), top.flatten(), rows,
+                                                scales, loss_chunk)
+    return total, {"loss_sum": loss_sums, "correct": correct.float(), "count": counts.float()}
 
 
 def step_metrics(sums: dict[str, torch.Tensor], decay: float) -> dict[str, float]:
@@ -110,11 +120,15 @@ def step_metrics(sums: dict[str, torch.Tensor], decay: float) -> dict[str, float
 
 
 class TTTObjective(torch.nn.Module):
-    """The drafter plus its TTT unroll as one forward, so DDP / DeepSpeed wrap the whole step."""
+    """The drafter plus its TTT unroll as one forward, so DDP / DeepSpeed wrap the whole step.
+    compile: the per-step layer through torch.compile (fuses norms, RoPE, SiLU, residuals)."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, attention: str = "dense",
+                 loss_chunk: int = 0, checkpoint: bool = False, compile: bool = False):
         super().__init__()
         self.drafter, self.steps, self.decay = drafter, steps, decay
+        self.options = {"attention": attention, "loss_chunk": loss_chunk, "checkpoint": checkpoint,
+                        "step_fn": torch.compile(ttt_step) if compile else ttt_step}
 
     def forward(self, aux, input_ids, loss_mask, teacher):
-        return ttt_loss(self.drafter, aux, input_ids, loss_mask, teacher, self.steps, self.decay)
+        return ttt_loss(self.drafter, aux, input_ids, loss_mask, teacher, self.steps, self.decay, **self.options)

@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""The EAGLE-3 training step at the 8B drafter's shape, beside SpecForge's, in one command (GPU).
+
+    python scripts/bench_train_step.py --seqlens 2048,4096,8192,16384 \
+        --specforge-wheel .carry/specforge-0.2.0-py3-none-any.whl --specforge-harness .carry/specforge_step.py
+    python scripts/bench_train_step.py --smoke          # CPU check of this script (tiny shapes)
+
+One step = what train/loop.py does per micro-batch, minus the optimizer (SpecForge's harness leaves it
+out too): teacher_targets (draft-vocab softmax from the target's final hidden states) + the TTTObjective
+forward (K=7 TTT unroll) + accelerator.backward, under Accelerate bf16 autocast with fp32 master weights,
+the objective built with train.loop.step_options, as a real run builds it. Shape: H=4096, I=14336, 32/8
+heads, head_dim 128, vocab 128256, draft vocab 32000, batch 1, every position in the loss mask.
+
+FLOPs per token (model FLOPs, the count of ../shared/bench/specforge_step.md, so MFU compares 1:1):
+fc 2*3H*H, x2 (forward + weight grad); per TTT step, x3 (forward + input grad + weight grad): qkv
+2*2H*(nh+2*nkv)*d, o_proj 2*nh*d*H, mlp 2*3*H*I, lm_head 2*H*Vd, attention 4*nh*d*((T+1)/2 + k).
+Not counted: norms, RoPE, SiLU, softmaxes, the teacher's draft-vocab matmul (2*H*Vd per token; SpecForge
+is handed target logits instead). MFU against --peak-tflops (784: bf16 matmul measured on an H200).
+
+--parity first checks, on the GPU in fp32, that the fast path (flex attention, compiled step, fused
+head loss) gives the plain reference path's loss, per-step sums and every gradient (CPU tests cannot:
+flex attention has no CPU backward). SpecForge's harness (if given) runs first, as a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.config import TrainConfig  # noqa: E402
+from core.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from train.loop import step_options  # noqa: E402
+from train.ttt_loss import TTTObjective, teacher_targets  # noqa: E402
+
+SHAPE = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, draft_vocab=32000)
+SMOKE = dict(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, draft_vocab=128)
+
+
+def flops_per_token(s: dict, t: int, k_steps: int) -> float:
+    h, d = s["hidden"], s["head_dim"]
+    fc = 2 * 3 * h * h
+    linear = (2 * 2 * h * (s["heads"] + 2 * s["kv_heads"]) * d + 2 * s["heads"] * d * h
+              + 2 * 3 * h * s["intermediate"] + 2 * h * s["draft_vocab"])
+    attn = sum(4 * s["heads"] * d * ((t + 1) / 2 + k) for k in range(k_steps))
+    return 2 * fc + 3 * (k_steps * linear + attn)
+
+
+def build(s: dict, device: torch.device, seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    c = DrafterConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_attention_heads=s["heads"],
+                      num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], vocab_size=s["vocab"],
+                      draft_vocab_size=s["draft_vocab"], target_hidden_size=s["hidden"], rope_theta=500000.0,
+                      max_position_embeddings=131072)
+    with torch.device(device):
+        d = Eagle3Drafter(c)
+    draft_ids = torch.randperm(s["vocab"], generator=torch.Generator().manual_seed(0))[: s["draft_vocab"]].sort().values
+    d.t2d.zero_()
+    d.t2d[draft_ids.to(device)] = True
+    return d
+
+
+def batch(s: dict, b: int, t: int, d: Eagle3Drafter, device, mask_frac: float = 1.0, seed: int = 1):
+    """Inputs as train/data.collate hands them (aux and final fp32) plus the precomputed argmax."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    draft_ids = d.t2d.nonzero().flatten()
+    loss_mask = (torch.rand(b, t, device=device, generator=g) < mask_frac).to(torch.uint8)
+    argmax = draft_ids[torch.randint(0, draft_ids.numel(), (b, t), device=device, generator=g)]
+    if mask_frac < 1:  # some argmaxes outside the draft vocab too
+        argmax = torch.where(torch.rand(b, t, device=device, generator=g) < 0.2, (~d.t2d).nonzero()[0, 0], argmax)
+    return {"aux": torch.randn(b, t, 3 * s["hidden"], device=device, generator=g),
+            "final": torch.randn(b, t, s["hidden"], device=device, generator=g),
+            "input_ids": torch.randint(0, s["vocab"], (b, t), device=device, generator=g),
+            "loss_mask": loss_mask, "argmax": argmax}
+
+
+def objective_for(d: Eagle3Drafter, device, k_steps: int, overrides: dict) -> TTTObjective:
+    tc = TrainConfig(**overrides)
+    return TTTObjective(d, k_steps, 0.8, **step_options(tc, device))
+
+
+def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
+    from accelerate import Accelerator
+
+    rec = {"impl": "eagle3", "variant": variant, "seq_len": t, "batch": args.batch, "ttt": args.ttt}
+    d = build(s, device)
+    accelerator = Accelerator(mixed_precision="bf16" if device.type == "cuda" else "no", cpu=device.type != "cuda")
+    objective = accelerator.prepare(objective_for(d, device, args.ttt, overrides))
+    draft_head = (torch.randn(s["draft_vocab"], s["hidden"], device=device) * s["hidden"] ** -0.5).to(
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    x = batch(s, args.batch, t, d, device)
+    params = [p for p in objective.parameters() if p.requires_grad]
+
+    def step():
+        for p in params:
+            p.grad = None
+        teacher = teacher_targets(x["final"], x["loss_mask"], draft_head, d.t2d, x["argmax"])
+        loss, sums = objective(x["aux"], x["input_ids"], x["loss_mask"], teacher)
+        accelerator.backward(loss)
+        return loss
+
+    def timed() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rec["loss"] = float(loss.detach())
+        return time.perf_counter() - t0
+
+    rec["warmup_s"] = [round(timed(), 2) for _ in range(args.warmup)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = [timed() for _ in range(args.iters)]
+    med = statistics.median(times)
+    fl = flops_per_token(s, t, args.ttt) * args.batch * t
+    rec.update(step_ms=round(med * 1e3, 1), step_ms_min=round(min(times) * 1e3, 1),
+               step_ms_max=round(max(times) * 1e3, 1), tokens_per_s=round(args.batch * t / med),
+               mfu=round(fl / med / (args.peak_tflops * 1e12), 4),
+               grads_finite=all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None))
+    if device.type == "cuda":
+        rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return rec
+
+
+def parity(args, device) -> dict:
+    """fp32, small shape, partial masks, a length that needs padding: fast path vs plain reference."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    s = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, vocab=2048, draft_vocab=512)
+    d = build(s, device, seed=3)
+    for p in d.parameters():  # O(1) random weights, so every path carries signal
+        if p.dim() == 2 and p.requires_grad:
+            torch.nn.init.normal_(p, std=p.shape[1] ** -0.5)
+    x = batch(s, 2, 300, d, device, mask_frac=0.6, seed=5)
+    teacher = teacher_targets(x["final"], x["loss_mask"], torch.randn(s["draft_vocab"], s["hidden"], device=device),
+                              d.t2d, x["argmax"])
+    out = {}
+    for name, o in {"reference": {"attention": "dense", "loss_chunk": 0, "compile": "no"},
+                    "fast": {"attention": "flex", "loss_chunk": 128, "compile": "yes"},
+                    "fast_ckpt": {"attention": "flex", "loss_chunk": 128, "compile": "yes",
+                                  "activation_checkpointing": True}}.items():
+        d.zero_grad(set_to_none=True)
+        loss, sums = objective_for(d, device, 4, o)(x["aux"], x["input_ids"], x["loss_mask"], teacher)
+        loss.backward()
+        out[name] = (loss.detach(), sums, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None})
+    ref_loss, ref_sums, ref_grads = out.pop("reference")
+    rec = {"kind": "parity", "count": ref_sums["count"].tolist()}
+    for name, (loss, sums, grads) in out.items():
+        rec[name] = {
+            "loss_rel": abs(float(loss - ref_loss)) / abs(float(ref_loss)),
+            "loss_sum_rel": float(((sums["loss_sum"] - ref_sums["loss_sum"]).abs() / ref_sums["loss_sum"]).max()),
+            "correct_equal": bool(torch.equal(sums["correct"], ref_sums["correct"])),
+            "grad_rel_max": max(float((grads[n] - g).norm() / g.norm()) for n, g in ref_grads.items()),
+            "same_params": sorted(grads) == sorted(ref_grads)}
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqlens", default="2048,4096,8192,16384")
+    ap.add_argument("--variants", default="fast,fast_ckpt",
+                    help="fast (flex + compile + fused loss: the GPU defaults) | fast_ckpt (+ activation "
+                         "checkpointing) | eager (flex + fused loss, no compile) | dense (the CPU path)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--peak-tflops", type=float, default=784.0)
+    ap.add_argument("--parity", action="store_true")
+    ap.add_argument("--specforge-wheel", default=None)
+    ap.add_argument("--specforge-harness", default=".carry/specforge_step.py")
+    ap.add_argument("--out", default=None, help="append one JSON line per record")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks this script runs")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    s = SMOKE if args.smoke else SHAPE
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    variants = {"fast": {}, "fast_ckpt": {"activation_checkpointing": True},
+                "eager": {"compile": "no"}, "dense": {"attention": "dense", "compile": "no"}}
+    if args.smoke:
+        seqlens, args.warmup, args.iters = [64], 1, 2
+        variants = {"dense": {"attention": "dense", "compile": "no"}}
+    records = []
+
+    def emit(rec):
+        records.append(rec)
+        print("RESULT", json.dumps(rec), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    if args.specforge_wheel:
+        sf_out = Path(args.out or "/tmp/bench_train_step.jsonl").with_suffix(".specforge.jsonl")
+        sf_out.unlink(missing_ok=True)
+        configs = ",".join(f"flex_attention:{t}" for t in seqlens)
+        subprocess.run([sys.executable, args.specforge_harness, "--wheel", args.specforge_wheel, "--configs", configs,
+                        "--measure-peak", "--out", str(sf_out)], check=False)
+        for line in sf_out.read_text().splitlines() if sf_out.exists() else []:
+            emit({"impl": "specforge", **json.loads(line)})
+    if args.parity and device.type == "cuda":
+        emit(parity(args, device))
+    for t in seqlens:
+        for name in args.variants.split(",") if not args.smoke else variants:
+            try:
+                emit(bench(args, s, t, name, variants[name], device))
+            except torch.OutOfMemoryError as e:
+                emit({"impl": "eagle3", "variant": name, "seq_len": t, "error": "OOM", "detail": str(e)[:200]})
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print_table(records)
+
+
+def print_table(records: list[dict]) -> None:
+    sf = {r["seq_len"]: r for r in records if r.get("impl") == "specforge" and "tokens_per_s" in r}
+    print("\n| seq | impl | tok/s | peak GiB | MFU | vs SpecForge |")
+    print("|---|---|---|---|---|---|")
+    for r in records:
+        if "seq_len" not in r:
+            continue
+        name = r["impl"] if r["impl"] == "specforge" else f"eagle3 {r['variant']}"
+        if "tokens_per_s" not in r:
+            print(f"| {r['seq_len']} | {name} | {r.get('error', 'failed')} | | | |")
+            continue
+        base = sf.get(r["seq_len"])
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and r["impl"] != "specforge" else ""
+        print(f"| {r['seq_len']} | {name} | {r['tokens_per_s']:,.0f} | {r.get('peak_mem_gib', '-')} | "
+              f"{r['mfu']:.1%} | {ratio} |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    main()

@@ -1,0 +1,125 @@
+"""The fast TTT paths compute the plain reference's function (issue 13): flex attention with the TTT
+block mask against the dense [T,T] attention, the fused chunked head loss against plain autograd, and
+activation checkpointing, at 1e-5 in fp32 on random inputs with partial loss masks.
+Flex attention has no backward on CPU, so its gradients are checked on the GPU (scripts/bench_train_step.py)."""
+
+import pytest
+import torch
+
+from core.drafter import DrafterConfig, Eagle3Drafter
+from train import ttt_attention
+from train.draft_head_loss import draft_head_loss
+from train.ttt_attention import dense_ttt_attention, flex_ttt_attention, padded_length, ttt_block_mask
+from train.ttt_loss import TTTObjective, ttt_loss
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def drafter(seed=0, vd=48) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    c = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, vocab_size=80, draft_vocab_size=vd, target_hidden_size=32)
+    d = Eagle3Drafter(c)
+    torch.nn.init.normal_(d.embed_tokens.weight)
+    d.t2d[:vd] = True
+    return d
+
+
+def inputs(b, t, d: Eagle3Drafter, seed=1):
+    """Random aux, tokens, a loss mask of random spans (about half on), and a random teacher whose
+    argmax is out of the draft vocab at ~20% of positions."""
+    g = torch.Generator().manual_seed(seed)
+    vd = d.config.draft_vocab_size
+    aux = torch.randn(b, t, 3 * d.config.target_hidden_size, generator=g)
+    ids = torch.randint(0, d.config.vocab_size, (b, t), generator=g)
+    mask = (torch.rand(b, t, generator=g) < 0.5).to(torch.uint8)
+    p = torch.softmax(3 * torch.randn(b, t, vd, generator=g), -1)
+    teacher = (p, p.argmax(-1), torch.rand(b, t, generator=g) > 0.2)
+    return aux, ids, mask, teacher
+
+
+@pytest.mark.parametrize("t", [128, 200])
+def test_flex_block_mask_attention_equals_dense(t):
+    """Every step count, GQA, a length that needs padding to whole blocks; fresh random inputs each."""
+    g = torch.Generator().manual_seed(t)
+    tp = padded_length(t)
+    for steps in range(1, 5):
+        q = torch.randn(2, 4, tp, 16, generator=g)
+        keys = [torch.randn(2, 2, tp, 16, generator=g) for _ in range(steps)]
+        values = [torch.randn(2, 2, tp, 16, generator=g) for _ in range(steps)]
+        dense = dense_ttt_attention(q[:, :, :t], [k[:, :, :t] for k in keys], [v[:, :, :t] for v in values])
+        flex = flex_ttt_attention(q, keys, values, ttt_block_mask(tp, steps, q.device), compiled=False)
+        torch.testing.assert_close(flex[:, :, :t], dense, **TOL)
+
+
+def test_block_mask_visits_causal_blocks_and_one_diagonal_block_per_later_step():
+    bm = ttt_block_mask(3 * 128, 3, torch.device("cpu"))
+    dense = bm.to_dense()[0, 0]  # [query blocks, key blocks]: 1 where the kernel reads the block
+    expected = torch.zeros(3, 9, dtype=dense.dtype)
+    for i in range(3):
+        expected[i, : i + 1] = 1  # step 0: causal
+        expected[i, 3 + i] = expected[i, 6 + i] = 1  # steps 1, 2: the diagonal block only
+    assert torch.equal(dense, expected)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ttt_block_mask(100, 1, torch.device("cpu"))
+
+
+def test_fused_head_loss_equals_plain_autograd():
+    """Values, per-step sums, accuracy counts and both gradients, over several chunks of rows."""
+    g = torch.Generator().manual_seed(3)
+    h, vd, steps = 16, 40, 3
+    weight = torch.randn(vd, h, generator=g, requires_grad=True)
+    p = torch.softmax(2 * torch.randn(50, vd, generator=g), -1)
+    top = p.argmax(-1)
+    xs = [torch.randn(n, h, generator=g, requires_grad=True) for n in (17, 0, 9)]  # a step with no rows
+    rows = [torch.randint(0, 50, (x.shape[0],), generator=g) for x in xs]
+    scales = torch.tensor([1.0, 0.8, 0.64]) / torch.tensor([17.0, 1.0, 9.0])
+    out = {}
+    for chunk in (0, 5):
+        total, sums, correct = draft_head_loss(xs, weight, p, top, rows, scales, chunk)
+        grads = torch.autograd.grad(2.5 * total, [weight, xs[0], xs[2]])
+        out[chunk] = (total.detach(), sums, correct, *grads)
+    assert out[0][2].tolist() == out[5][2].tolist()
+    for a, b in zip(out[0], out[5]):
+        torch.testing.assert_close(a.float(), b.float(), **TOL)
+    assert out[0][1][0] > 0 and out[0][1][1] == 0
+
+
+@pytest.mark.parametrize("options", [{"loss_chunk": 7}, {"loss_chunk": 7, "checkpoint": True},
+                                     {"loss_chunk": 0, "checkpoint": True}])
+def test_ttt_loss_options_give_the_reference_loss_and_gradients(options):
+    d = drafter()
+    aux, ids, mask, teacher = inputs(2, 40, d)
+    ref = TTTObjective(d, 4, 0.8)  # dense attention, plain head loss, no checkpointing
+    fast = TTTObjective(d, 4, 0.8, **options)
+    results = []
+    for objective in (ref, fast):
+        d.zero_grad(set_to_none=True)
+        loss, sums = objective(aux, ids, mask, teacher)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), sums, grads))
+    (l0, s0, g0), (l1, s1, g1) = results
+    torch.testing.assert_close(l1, l0, **TOL)
+    for key in s0:
+        torch.testing.assert_close(s1[key], s0[key], **TOL)
+    assert sorted(g0) == sorted(g1) and len(g0) >= 10
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], **TOL, msg=name)
+
+
+def test_ttt_loss_with_flex_attention_equals_dense(monkeypatch):
+    """The whole unroll with flex (eager reference kernel, forward: no CPU backward) on a length that is
+    padded to 128: same loss and sums as the dense path."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(ttt_attention, "_compiled_flex", lambda: flex_attention)
+    d = drafter()
+    aux, ids, mask, teacher = inputs(2, 100, d)
+    with torch.no_grad():
+        dense = ttt_loss(d, aux, ids, mask, teacher, 4, 0.8)
+        flex = ttt_loss(d, aux, ids, mask, teacher, 4, 0.8, attention="flex", loss_chunk=64)
+    torch.testing.assert_close(flex[0], dense[0], **TOL)
+    for key in dense[1]:
+        torch.testing.assert_close(flex[1][key], dense[1][key], **TOL)
+    assert dense[1]["count"].min() > 10

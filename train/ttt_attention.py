@@ -1,0 +1,83 @@
+"""Attention of one TTT step: causal over step 0's keys plus the same-position keys of steps 1..k.
+
+Two implementations of one function (train/ttt_loss.py's docstring gives the alignment):
+- `dense_ttt_attention`: [T,T] scores with an fp32 softmax. Plain and exact; the CPU path, and the
+  reference the tests hold the other to.
+- `flex_ttt_attention`: PyTorch's flex attention over the concatenated keys of steps 0..k, with a block
+  mask that visits only the causal blocks of step 0 and one diagonal block per later step. No [T,T]
+  matrix exists, so memory is linear in T; the kernel is compiled (CUDA). Sequences are padded to
+  whole blocks (`padded_length`): each step's keys then start on a block boundary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK = 128  # flex attention's default block size
+
+
+def dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """q [B,nh,T,d]; keys/values: step 0..k, each [B,nkv,T,d]. -> [B,nh,T,d]."""
+    nh, t, d = q.shape[1], q.shape[2], q.shape[3]
+    rep = nh // keys[0].shape[1]
+    ks = [k.repeat_interleave(rep, 1) for k in keys]
+    vs = [v.repeat_interleave(rep, 1) for v in values]
+    scale = d ** -0.5
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    s0 = (q @ ks[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B,nh,T,T]
+    diag = [(q * k).sum(-1, keepdim=True) * scale for k in ks[1:]]  # k x [B,nh,T,1]
+    p = torch.softmax(torch.cat([s0, *diag], -1).float(), -1).to(q.dtype)
+    out = p[..., :t] @ vs[0]
+    for j, v in enumerate(vs[1:]):
+        out = out + p[..., t + j:t + j + 1] * v
+    return out
+
+
+def padded_length(t: int) -> int:
+    return -(-t // BLOCK) * BLOCK
+
+
+def ttt_block_mask(t: int, steps: int, device: torch.device):
+    """The BlockMask of TTT step `steps - 1` for a block-aligned length t: keys are steps 0..steps-1,
+    each t long. Query block i reads step 0's blocks < i in full, and partially step 0's block i
+    (causal) and block i of every later step (its diagonal)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if t % BLOCK:
+        raise ValueError(f"length {t} is not a multiple of {BLOCK}: pad with padded_length()")
+    nb = t // BLOCK
+    qb = torch.arange(nb, device=device, dtype=torch.int32)
+    full_num = qb[None, None]  # [1,1,nb]: blocks 0..i-1 of step 0
+    full_idx = torch.arange(nb * steps, device=device, dtype=torch.int32).expand(1, 1, nb, nb * steps).contiguous()
+    part_num = torch.full((1, 1, nb), steps, device=device, dtype=torch.int32)
+    part_idx = torch.zeros(1, 1, nb, nb * steps, device=device, dtype=torch.int32)
+    part_idx[0, 0, :, :steps] = qb[:, None] + nb * torch.arange(steps, device=device, dtype=torch.int32)[None]
+    length = torch.tensor(t, device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):  # exact on every pair (eager flex evaluates it densely)
+        pos = kv_idx % length
+        return torch.where(kv_idx < length, pos <= q_idx, pos == q_idx)
+
+    return BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(t, t * steps))
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], block_mask,
+                       compiled: bool = True) -> torch.Tensor:
+    """`dense_ttt_attention` for block-aligned T, with `ttt_block_mask(T, len(keys))`. compiled=False
+    runs flex's eager reference (CPU tests; it has no backward on CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    k = keys[0] if len(keys) == 1 else torch.cat(keys, 2)
+    v = values[0] if len(values) == 1 else torch.cat(values, 2)
+    flex = _compiled_flex() if compiled else flex_attention
+    return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
