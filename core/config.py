@@ -115,7 +115,7 @@ class TrainConfig:
                                       "(AVX512-BF16/AMX), fp32 elsewhere (bf16 is ~200x slower there)")
     attention: str = _f("auto", "auto | dense | flex: TTT attention; flex (CUDA) never builds a [T,T] matrix; "
                                 "auto = flex on CUDA, dense elsewhere")
-    loss_chunk: int = _f(4096, "rows per chunk of the fused draft-head loss, which never holds all [T, Vd] logits; "
+    loss_chunk: int = _f(8192, "rows per chunk of the fused draft-head loss, which never holds all [T, Vd] logits; "
                                "0 = plain autograd (the reference path)", ge=0)
     compile: str = _f("auto", "auto | yes | no: torch.compile the TTT step's layer (fuses norms, RoPE, SiLU); "
                               "auto = on CUDA")

@@ -8,7 +8,7 @@
 One step = what train/loop.py does per micro-batch, minus the optimizer (SpecForge's harness leaves it
 out too): teacher_targets (draft-vocab softmax from the target's final hidden states) + the TTTObjective
 forward (K=7 TTT unroll) + accelerator.backward, under Accelerate bf16 autocast with fp32 master weights,
-the objective built with train.loop.step_options, as a real run builds it. Shape: H=4096, I=14336, 32/8
+the objective built with train.loop.step_options and the frozen embedding in bf16, as a real run does. Shape: H=4096, I=14336, 32/8
 heads, head_dim 128, vocab 128256, draft vocab 32000, batch 1, every position in the loss mask.
 
 FLOPs per token (model FLOPs, the count of ../shared/bench/specforge_step.md, so MFU compares 1:1):
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import TrainConfig  # noqa: E402
 from core.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from train.loop import step_options  # noqa: E402
+from train.loop import frozen_to_matmul_dtype, step_options  # noqa: E402
 from train.ttt_loss import TTTObjective, teacher_targets  # noqa: E402
 
 SHAPE = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, draft_vocab=32000)
@@ -94,6 +94,7 @@ def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
 
     rec = {"impl": "eagle3", "variant": variant, "seq_len": t, "batch": args.batch, "ttt": args.ttt}
     d = build(s, device)
+    frozen_to_matmul_dtype(d, "bf16" if device.type == "cuda" else "no")
     accelerator = Accelerator(mixed_precision="bf16" if device.type == "cuda" else "no", cpu=device.type != "cuda")
     objective = accelerator.prepare(objective_for(d, device, args.ttt, overrides))
     draft_head = (torch.randn(s["draft_vocab"], s["hidden"], device=device) * s["hidden"] ** -0.5).to(

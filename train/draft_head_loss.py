@@ -10,6 +10,8 @@ the backward only scales them. The math is the plain path's; tests compare the t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -19,9 +21,24 @@ def soft_ce_sums(z: torch.Tensor, p: torch.Tensor, top: torch.Tensor):
     return -(p * logp).sum(), (logp.argmax(-1) == top).sum()
 
 
+def chunk_terms(z: torch.Tensor, p: torch.Tensor, top: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor):
+    """One chunk: z [c,Vd] logits; its targets are rows `rows` of p [R,Vd] / top [R]; scale [c] the
+    weight of each row's loss. -> (loss per row [c], correct per row [c], d total / d z [c,Vd] in z's dtype).
+    Elementwise only, so a compiled copy fuses it into a few passes over the chunk."""
+    pc = p[rows].float()
+    logp = torch.log_softmax(z.float(), -1)
+    g = (logp.exp() * pc.sum(-1, keepdim=True) - pc) * scale[:, None]
+    return -(pc * logp).sum(-1), logp.argmax(-1) == top[rows], g.to(z.dtype)
+
+
+@functools.cache
+def _compiled_chunk_terms():
+    return torch.compile(chunk_terms, dynamic=True)
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, p, top, rows, step_of_row, scales, chunk, dtype):
+    def forward(ctx, x, weight, p, top, rows, step_of_row, scales, chunk, dtype, terms):
         """x [N,H] normed hidden rows of all steps; weight [Vd,H]; p [R,Vd], top [R]: teacher rows,
         of which row `rows[i]` is x[i]'s target; step_of_row [N]; scales [K]: the weight of each
         step's loss sum in the total. -> (total, loss sums [K], correct [K])."""
@@ -34,12 +51,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         correct = torch.zeros(k_steps, dtype=torch.long, device=x.device)
         for s in range(0, x.shape[0], chunk):
             xc, step = x[s:s + chunk].to(dtype), step_of_row[s:s + chunk]
-            pc, tc = p[rows[s:s + chunk]].float(), top[rows[s:s + chunk]]
-            logp = torch.log_softmax((xc @ w.T).float(), -1)  # [c,Vd]
-            loss_sums.index_add_(0, step, -(pc * logp).sum(-1))
-            correct.index_add_(0, step, (logp.argmax(-1) == tc).long())
+            loss_rows, right, g = terms(xc @ w.T, p, top, rows[s:s + chunk], scales[step])
+            loss_sums.index_add_(0, step, loss_rows)
+            correct.index_add_(0, step, right.long())
             if need_x or need_w:
-                g = ((logp.exp() * pc.sum(-1, keepdim=True) - pc) * scales[step][:, None]).to(dtype)
                 if need_x:
                     dx[s:s + chunk] = (g @ w).to(x.dtype)
                 if need_w:
@@ -53,15 +68,16 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         dx, dw = ctx.saved_tensors
         gx = dx * g_total.to(dx.dtype) if dx is not None else None
         gw = (dw * g_total).to(ctx.weight_dtype) if dw is not None else None
-        return gx, gw, None, None, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None, None, None
 
 
 def draft_head_loss(xs: list[torch.Tensor], weight: torch.Tensor, p: torch.Tensor, top: torch.Tensor,
-                    rows: list[torch.Tensor], scales: torch.Tensor, chunk: int):
+                    rows: list[torch.Tensor], scales: torch.Tensor, chunk: int, compiled: bool = False):
     """xs: per step k, the normed hidden rows [n_k,H] that count; rows: per step, their teacher rows
     (indices into p [R,Vd] and top [R]); scales [K]. -> (sum_k scales[k] * loss_sum_k, loss sums [K],
     correct [K]). chunk = rows per chunk (0: plain autograd, the reference path). Under autocast the
-    matmuls run in its dtype, softmax in fp32, as the plain path's would."""
+    matmuls run in its dtype, softmax in fp32, as the plain path's would. compiled: the chunk's elementwise
+    terms through torch.compile."""
     device = weight.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else xs[0].dtype
     if chunk == 0:
@@ -71,5 +87,6 @@ def draft_head_loss(xs: list[torch.Tensor], weight: torch.Tensor, p: torch.Tenso
     step_of_row = torch.cat([torch.full((x.shape[0],), k, device=device) for k, x in enumerate(xs)])
     with torch.autocast(device.type, enabled=False):
         total, loss_sums, correct = _ChunkedHeadLoss.apply(torch.cat([x.to(dtype) for x in xs]), weight, p, top, torch.cat(rows),
-                                                           step_of_row, scales, chunk, dtype)
+                                                           step_of_row, scales, chunk, dtype,
+                                                           _compiled_chunk_terms() if compiled else chunk_terms)
     return total, loss_sums.detach(), correct

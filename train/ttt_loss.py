@@ -12,6 +12,8 @@ Attention at step k: causal over step-0 keys (positions <= t) plus the same-posi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from core.drafter import Eagle3Drafter
@@ -72,14 +74,23 @@ def ttt_step(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, bl
     return drafter.finish(attn, residual), k, v
 
 
+@functools.cache
+def _compiled_ttt_step():
+    # one graph per step k (k earlier keys) and shape family: more than dynamo's default limit of 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(ttt_step)
+
+
 def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
              teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor], steps: int, decay: float,
-             attention: str = "dense", loss_chunk: int = 0, checkpoint: bool = False, step_fn=ttt_step):
+             attention: str = "dense", loss_chunk: int = 0, checkpoint: bool = False, compile: bool = False):
     """-> (weighted loss, per-step sums {"loss_sum", "correct", "count"}: [K] tensors, detached, not
     synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`).
     attention: "dense" | "flex" (train/ttt_attention.py); loss_chunk: rows per chunk of the fused head
     loss (0: plain autograd; train/draft_head_loss.py); checkpoint: recompute each step's layer in the
-    backward instead of keeping its activations; step_fn: `ttt_step`, or a compiled copy of it."""
+    backward instead of keeping its activations; compile: the step's layer and the head loss's elementwise
+    terms through torch.compile (fuses norms, RoPE, SiLU, softmaxes)."""
+    step_fn = _compiled_ttt_step() if compile else ttt_step
     p, top, in_vocab = teacher
     b, t = input_ids.shape
     tp = padded_length(t) if attention == "flex" else t  # padded rows count nowhere (loss mask 0)
@@ -104,7 +115,7 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
     counts = torch.stack([m.sum() for m in masks])
     scales = decay ** torch.arange(steps, device=aux.device) / counts.clamp(min=1)
     total, loss_sums, correct = draft_head_loss(xs, drafter.lm_head.weight, p.flatten(0, 1), top.flatten(), rows,
-                                                scales, loss_chunk)
+                                                scales, loss_chunk, compiled=compile)
     return total, {"loss_sum": loss_sums, "correct": correct.float(), "count": counts.float()}
 
 
@@ -120,15 +131,14 @@ def step_metrics(sums: dict[str, torch.Tensor], decay: float) -> dict[str, float
 
 
 class TTTObjective(torch.nn.Module):
-    """The drafter plus its TTT unroll as one forward, so DDP / DeepSpeed wrap the whole step.
-    compile: the per-step layer through torch.compile (fuses norms, RoPE, SiLU, residuals)."""
+    """The drafter plus its TTT unroll as one forward, so DDP / DeepSpeed wrap the whole step."""
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, attention: str = "dense",
                  loss_chunk: int = 0, checkpoint: bool = False, compile: bool = False):
         super().__init__()
         self.drafter, self.steps, self.decay = drafter, steps, decay
         self.options = {"attention": attention, "loss_chunk": loss_chunk, "checkpoint": checkpoint,
-                        "step_fn": torch.compile(ttt_step) if compile else ttt_step}
+                        "compile": compile}
 
     def forward(self, aux, input_ids, loss_mask, teacher):
         return ttt_loss(self.drafter, aux, input_ids, loss_mask, teacher, self.steps, self.decay, **self.options)
