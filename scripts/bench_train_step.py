@@ -121,6 +121,11 @@ def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
         return time.perf_counter() - t0
 
     rec["warmup_s"] = [round(timed(), 2) for _ in range(args.warmup)]
+    if args.profile == t and device.type == "cuda":  # where the step's GPU time goes, by kernel
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            timed()
+        print(f"profile of one {variant} step at T={t}:")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = [timed() for _ in range(args.iters)]
@@ -181,6 +186,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--peak-tflops", type=float, default=784.0)
     ap.add_argument("--parity", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, help="print the kernel time table of one step at this length")
     ap.add_argument("--specforge-wheel", default=None)
     ap.add_argument("--specforge-harness", default=".carry/specforge_step.py")
     ap.add_argument("--out", default=None, help="append one JSON line per record")
