@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 RUN_FLAGS = --config $(CONFIG) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup llamacpp generate extract train eval serve-eval demo test lint clean
+.PHONY: setup llamacpp plan generate extract train eval serve-eval demo test lint clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,11 @@ $(STAMP): pyproject.toml constraints.txt
 # in well under a second.
 llamacpp: setup
 	$(PY) scripts/llamacpp_server.py --build-only
+
+# what every stage would do for CONFIG (tokens, bytes, memory, steps, hours); loads no weights.
+# One stage: python -m <stage> --config ... --dry-run. GPUs: make plan ARGS="--world-size 8"
+plan: setup
+	$(PY) -m core.plan --config $(CONFIG) $(ARGS)
 
 generate: setup
 	$(PY) -m data_gen $(RUN_FLAGS)

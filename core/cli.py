@@ -43,6 +43,9 @@ def stage_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     if prog in RESUMABLE or section is None:
         p.add_argument("--fresh", action="store_true",
                        help="start over in place: empty the stage's output dir first (other stages' output is kept)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what the stage would do (tokens, bytes, memory, steps, hours) and exit; loads no weights")
+    p.add_argument("--world-size", type=int, default=1, help="with --dry-run: training processes (GPUs) to plan for")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
     return p
 
@@ -59,9 +62,24 @@ def parse_stage_args(prog: str, doc: str, extend=None, argv=None) -> tuple[RunCo
         parser.exit(2, f"{prog}: error: {e}\n")
     if args.run_dir:
         cfg.run_dir = args.run_dir
+    if args.dry_run:
+        dry_run(parser, prog, cfg, args)
     setup_logging()
     set_threads(cfg.threads)
     return cfg, args
+
+
+def dry_run(parser: argparse.ArgumentParser, prog: str, cfg: RunConfig, args: argparse.Namespace) -> None:
+    """Print the stage's plan (core/plan.py; every stage for the demo runner) and exit 0."""
+    from core.plan import format_plan
+
+    section = prog.split()[0] if prog.split()[0] in STAGES else None
+    try:
+        text = format_plan(cfg, [section] if section else None, args.world_size, args.config)
+    except UserError as e:
+        parser.exit(2, f"{prog}: error: {e}\n")
+    sys.stdout.write(text + "\n")
+    parser.exit(0)
 
 
 def set_threads(threads: int) -> int:

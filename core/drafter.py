@@ -55,6 +55,22 @@ class DrafterConfig:
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
 
+    @classmethod
+    def for_target(cls, tc: dict, aux_layers: list[int], draft_vocab_size: int) -> DrafterConfig:
+        """The drafter train builds for a target: one Llama layer of the target's width, heads and MLP
+        (tc = core.target.read_target_config: a MoE target's `intermediate_size` is its dense MLP's)."""
+        hidden, heads = tc["hidden_size"], tc["num_attention_heads"]
+        rope = tc.get("rope_parameters") or {}
+        return cls(
+            hidden_size=hidden, intermediate_size=tc["intermediate_size"], num_attention_heads=heads,
+            num_key_value_heads=tc.get("num_key_value_heads") or heads,
+            head_dim=tc.get("head_dim") or hidden // heads,  # MLA targets (Kimi) have none: 7168 / 64 = 112
+            vocab_size=tc["vocab_size"], draft_vocab_size=draft_vocab_size, target_hidden_size=hidden,
+            aux_layers=list(aux_layers), target_model_type=tc["model_type"],
+            rms_norm_eps=tc.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope.get("rope_theta") or tc.get("rope_theta") or 10000.0),
+            max_position_embeddings=tc.get("max_position_embeddings", 4096), hidden_act=tc.get("hidden_act", "silu"))
+
     def to_sglang(self) -> dict:
         """config.json SGLang (LlamaForCausalLMEagle3) and vLLM read."""
         ids = sglang_layer_ids(self.aux_layers, self.target_model_type)

@@ -10,6 +10,7 @@ Anything else must be a local HF model dir. Nothing is ever downloaded.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -143,13 +144,27 @@ def resolve_target(cfg: RunConfig) -> Path:
     return path
 
 
-def target_info(cfg: RunConfig) -> TargetInfo:
-    from transformers import AutoConfig
+def read_target_config(path: Path) -> dict:
+    """The target's config.json as plain JSON (no transformers class, no remote code: it works for any
+    model_type, offline). A multimodal wrapper's `text_config` (Kimi-K2.5) overrides the wrapper's keys,
+    as llama.cpp's converter reads it, so callers see the language model's shape."""
+    file = Path(path) / "config.json"
+    try:
+        c = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{file}: not a readable JSON config ({e})") from None
+    text = c.get("text_config")
+    c = {**c, **text} if isinstance(text, dict) else c
+    missing = [k for k in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size") if k not in c]
+    if missing:
+        raise UserError(f"{file}: no {missing[0]} (at the top level or in text_config)")
+    return c
 
+
+def target_info(cfg: RunConfig) -> TargetInfo:
     path = resolve_target(cfg)
-    c = AutoConfig.from_pretrained(path, local_files_only=True)
-    c = getattr(c, "text_config", c)
-    return TargetInfo(path, c.model_type, c.num_hidden_layers, c.hidden_size, c.vocab_size)
+    c = read_target_config(path)
+    return TargetInfo(path, c["model_type"], c["num_hidden_layers"], c["hidden_size"], c["vocab_size"])
 
 
 def load_tokenizer(cfg: RunConfig):
@@ -166,6 +181,9 @@ def load_target(cfg: RunConfig, device: torch.device | None = None):
     from transformers import AutoModelForCausalLM
 
     path = resolve_target(cfg)
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"target.model = {cfg.target.model!r}: {path} has a config.json but no *.safetensors "
+                        "weights (configs/targets/ ship configs only): pass target.model=<the model's local HF dir>")
     device = device or resolve_device(cfg.target.device)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=resolve_dtype(cfg.target.dtype),
                                                  use_safetensors=True).to(device).eval()

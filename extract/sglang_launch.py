@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 from core.aux_layers import resolve_aux_layers, sglang_layer_ids
 from core.cli import parse_stage_args
 from core.config import RunConfig
-from core.target import resolve_target, target_info
+from core.target import target_info
 
 # models whose layers after the dense ones run without aux capture under two-batch overlap
 # (sglang/srt/models/deepseek_v2.py, forward: model_forward_stages(..., enable_tbo=True))
@@ -55,13 +55,11 @@ def launch_vars(cfg: RunConfig) -> tuple[dict[str, str], str]:
     """(shell variables, the target's model_type)."""
     info = target_info(cfg)
     aux = resolve_aux_layers(cfg.extract.aux_layers, info.num_layers)
-    from transformers import AutoConfig
-
-    model_type = AutoConfig.from_pretrained(resolve_target(cfg)).model_type
+    model_type = info.model_type  # the language model's (Kimi-K2.5: text_config's kimi_k2)
     # the scheduler blocks on a full dump queue for at most one dump write, which the client waits
     # for at most request_timeout: SGLang's watchdog must not kill the server before that
     watchdog = SGLANG_DEFAULT_WATCHDOG_S + cfg.extract.request_timeout
-    return {"MODEL_PATH": str(resolve_target(cfg)),
+    return {"MODEL_PATH": str(info.path),
             "LAYER_IDS": " ".join(str(i) for i in sglang_layer_ids(aux, model_type)),
             "PORT": str(urlparse(cfg.extract.server_url).port or 30000),
             "DUMP_DIR": str(cfg.extract.dump_dir or cfg.run_path / "dumps"),

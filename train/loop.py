@@ -31,7 +31,7 @@ from core.errors import UserError
 from core.hidden_shards import HiddenShards
 from core.manifest import check_compat, open_stage_dir, read_manifest, write_manifest
 from core.stage_lock import stage_lock
-from core.target import TargetHead, load_target_embeddings, resolve_precision, target_info
+from core.target import TargetHead, load_target_embeddings, read_target_config, resolve_precision, target_info
 from train.data import ShardDataset, aux_rms, collate, length_grouped_batches, precompute_argmax
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
 from train.plots import plot_curves
@@ -42,18 +42,8 @@ log = logging.getLogger("train")
 
 def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, target: TargetHead,
                   aux_scale=None) -> Eagle3Drafter:
-    from transformers import AutoConfig
-
-    tc = AutoConfig.from_pretrained(target_info(cfg).path)
-    rope = getattr(tc, "rope_parameters", None) or {}
-    c = DrafterConfig(
-        hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-        num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-        vocab_size=tc.vocab_size, draft_vocab_size=draft_ids.numel(), target_hidden_size=tc.hidden_size,
-        aux_layers=aux_layers, target_model_type=tc.model_type, rms_norm_eps=tc.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
-        max_position_embeddings=tc.max_position_embeddings)
+    tc = read_target_config(target_info(cfg).path)
+    c = DrafterConfig.for_target(tc, aux_layers, draft_ids.numel())
     d = Eagle3Drafter(c)
     with torch.no_grad():
         d.embed_tokens.weight.copy_(target.embed)

@@ -1,0 +1,180 @@
+"""What each stage would do for a config, from the target's config.json alone (no weights, no network):
+
+    python -m data_gen --config configs/kimi-k2.5.yaml --dry-run           # one stage (any stage takes it)
+    python -m core.plan --config configs/kimi-k2.5.yaml --world-size 8    # all four (= make plan)
+
+Every figure is arithmetic on the config: conversations and token caps, bytes on disk, drafter
+parameters, a per-GPU memory estimate, optimizer steps. Times use the throughputs measured in
+docs/PERFORMANCE.md (`MEASURED`) for the target's shape, and say "not measured" where none was. Token
+counts are caps (answers stop early), so bytes and hours are upper bounds. Nothing is written to the
+run dir; an embedded alias (smollm2, tiny) has its model cache built on first use, as every stage does.
+"""
+
+from __future__ import annotations
+
+import math
+
+from core.aux_layers import resolve_aux_layers, sglang_layer_ids
+from core.config import RunConfig
+from core.drafter import DrafterConfig
+from core.errors import UserError
+from core.target import read_target_config, resolve_target
+
+GIB = 1024 ** 3
+# (stage, hidden, layers, storage or precision) -> [(tokens/s, where measured)]. Only shapes measured on
+# a real machine; a stage and shape not here prints "not measured".
+_PERF = "docs/PERFORMANCE.md"
+MEASURED = {
+    ("extract", 4096, 32, "bfloat16"): [(17_553, f"one H200, hf engine, Llama-3.1-8B shape; {_PERF}")],
+    ("extract", 4096, 32, "fp8_e4m3"): [(25_230, f"one H200, hf engine, Llama-3.1-8B shape; {_PERF}")],
+    ("extract", 576, 30, "bfloat16"): [(126_513, f"one H200, hf engine; {_PERF}"),
+                                       (600, f"2-core CPU, whole stage; {_PERF}")],
+    ("extract", 576, 30, "fp8_e4m3"): [(173_496, f"one H200, hf engine; {_PERF}")],
+    ("train", 576, 30, "bf16"): [(1_400, f"2-core CPU with native bf16, K=3, 16 x 298 tokens; {_PERF}")],
+    ("train", 576, 30, "no"): [(700, f"2-core CPU, fp32, K=3, 16 x 298 tokens; {_PERF}")],
+}
+_STORE_BYTES = {"bfloat16": 2, "float32": 4, "fp8_e4m3": 1}
+
+
+def conversations(cfg: RunConfig) -> int:
+    return cfg.data_gen.num_samples * cfg.data_gen.n
+
+
+def tokens_cap(cfg: RunConfig) -> int:
+    """Most tokens one sample can hold: its prompt cap plus one answer (single turn), or the context
+    cap plus the last answer (multi-turn), cut at train.max_len only by train itself."""
+    d = cfg.data_gen
+    return (d.max_prompt_tokens if d.max_turns == 1 else d.max_context_tokens) + d.max_new_tokens
+
+
+def shard_bytes_per_token(hidden: int, dtype: str) -> int:
+    """Bytes of one token in a hidden shard: input_ids int32 + loss_mask uint8 + aux [3H] + final [H],
+    plus one fp32 scale per layer group (3 aux + 1 final) when stored as fp8 (core/hidden_shards.py)."""
+    scales = 4 * 4 if dtype == "fp8_e4m3" else 0
+    return 4 + 1 + 4 * hidden * _STORE_BYTES[dtype] + scales
+
+
+def drafter_params(dc: DrafterConfig) -> dict[str, int]:
+    """Parameter counts of core.drafter.Eagle3Drafter's parts (tests/test_target_configs.py checks the
+    sum against the module itself); arithmetic, so a 1B-parameter drafter costs nothing to plan."""
+    h, q, kv = dc.hidden_size, dc.num_attention_heads * dc.head_dim, dc.num_key_value_heads * dc.head_dim
+    return {"embed_tokens": dc.vocab_size * h, "fc": 3 * dc.target_hidden_size * h,
+            "self_attn": 2 * h * (q + 2 * kv) + q * h, "mlp": 3 * h * dc.intermediate_size,
+            "norms": 4 * h, "lm_head": dc.draft_vocab_size * h}
+
+
+def train_memory(dc: DrafterConfig, trainable: int, batch: int, max_len: int, steps: int, bf16: bool) -> dict:
+    """Bytes per GPU, an estimate (not measured): fp32 weights + grads + AdamW's two moments of the
+    trainable parameters; the frozen embedding and the teacher lm_head [V,H] in fp32 (+ its bf16 copy
+    for the argmax); and what autograd keeps over the K TTT steps of one micro-batch of B x T tokens:
+    per step the attention probabilities [B,nh,T,T] (fp32 softmax + its bf16 cast), the layer's
+    activations per token, and the draft-vocab logits per token (counting every token as a loss token)."""
+    act = 2 if bf16 else 4
+    h, n = dc.hidden_size, batch * max_len
+    vh = dc.vocab_size * h
+    per_token = act * (8 * h + 2 * (dc.num_attention_heads + dc.num_key_value_heads) * dc.head_dim
+                       + 4 * dc.intermediate_size) + 4 * 3 * dc.draft_vocab_size  # logits, log-softmax, teacher p
+    attention = batch * dc.num_attention_heads * max_len * max_len * (4 + act)
+    return {"weights, grads, AdamW": 16 * trainable,
+            "frozen embedding + teacher head": 4 * vh * 2 + (2 * vh if bf16 else 0),
+            "activations": steps * (attention + n * per_token) + n * 4 * (3 * dc.target_hidden_size + dc.draft_vocab_size)}
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds / 60:,.1f} min"
+
+
+def _hours(tokens: int, key: tuple) -> str:
+    if key in MEASURED:
+        return "; ".join(f"~{_duration(tokens / rate)} at {rate:,} tok/s ({where})" for rate, where in MEASURED[key])
+    shapes = sorted({f"H {k[1]} x {k[2]} layers" for k in MEASURED if k[0] == key[0]})
+    return f"not measured for H {key[1]} x {key[2]} layers (measured: {', '.join(shapes)})"
+
+
+def _gib(b: float) -> str:
+    units = [("TiB", 1024 ** 4), ("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)]
+    unit, size = next(((u, n) for u, n in units if b >= n), ("B", 1))
+    return f"{b / size:,.1f} {unit}"
+
+
+def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
+    """{stage: lines} for the four stages, plus "target"."""
+    tc = read_target_config(resolve_target(cfg))
+    h, layers, model_type = tc["hidden_size"], tc["num_hidden_layers"], tc["model_type"]
+    aux = resolve_aux_layers(cfg.extract.aux_layers, layers)
+    dc = DrafterConfig.for_target(tc, aux, min(cfg.train.draft_vocab_size, tc["vocab_size"]))
+    export = dc.to_sglang()
+    n_conv, cap = conversations(cfg), tokens_cap(cfg)
+    tokens = n_conv * cap
+    d, x, t, e = cfg.data_gen, cfg.extract, cfg.train, cfg.eval
+    out = {"target": [
+        f"{cfg.target.model}: {model_type}, {layers} layers, hidden {h}, vocab {tc['vocab_size']}, "
+        f"{tc['num_attention_heads']}/{tc.get('num_key_value_heads') or tc['num_attention_heads']} heads",
+        f"aux layers {aux} (input of layer i = hidden_states[i]); export: SGLang eagle_config ids "
+        f"{export['eagle_config']['eagle_aux_hidden_state_layer_ids']}, llama.cpp top-level ids "
+        f"{export['eagle_aux_hidden_state_layer_ids']}"]}
+    source = f"server {d.base_url or '(data_gen.base_url unset)'}" if d.backend == "openai" else "in-process target"
+    out["data_gen"] = [
+        f"{n_conv:,} conversations ({d.num_samples:,} prompts x {d.n}) from {d.prompts}, {source}, "
+        f"{'all user turns' if d.max_turns == 0 else f'{d.max_turns} user turn(s)'} each",
+        f"tokens: <= {cap:,} per sample -> <= {tokens:,} in all ({d.max_new_tokens:,} new tokens per answer at most)"]
+    per_tok = shard_bytes_per_token(h, x.dtype)
+    all_layers = 4 + 1 + (layers + 1) * h * 2
+    ids = f"; SGLang ids {sglang_layer_ids(aux, model_type)}" if x.engine == "sglang" else ""
+    out["extract"] = [
+        f"engine {x.engine}{ids}; aux 3x{h} + final {h} per token in {x.dtype}: {per_tok:,} B/token "
+        f"-> <= {_gib(tokens * per_tok)} for <= {tokens:,} tokens"
+        + (" (spans=loss: final rows only on loss tokens, less)" if x.spans == "loss" else ""),
+        f"storing all {layers + 1} hidden states in bf16 instead: {all_layers:,} B/token "
+        f"({all_layers / per_tok:.1f}x) -> {_gib(tokens * all_layers)}",
+        f"time: {_hours(tokens, ('extract', h, layers, x.dtype))}"]
+    params = drafter_params(dc)
+    frozen = params["embed_tokens"] + (params["lm_head"] if t.freeze_lm_head else 0)
+    trainable = sum(params.values()) - frozen
+    bf16 = t.mixed_precision != "no"
+    mem = train_memory(dc, trainable, t.batch_size, t.max_len, t.ttt_steps, bf16)
+    per_step = t.batch_size * world_size * t.grad_accum
+    steps = math.ceil(n_conv / per_step) * t.epochs
+    train_tokens = n_conv * min(cap, t.max_len) * t.epochs
+    out["train"] = [
+        f"drafter: {trainable / 1e6:,.1f}M trainable + {frozen / 1e6:,.1f}M frozen params (hidden {dc.hidden_size}, "
+        f"{dc.num_attention_heads}/{dc.num_key_value_heads} heads x {dc.head_dim}, MLP {dc.intermediate_size}, "
+        f"draft vocab {dc.draft_vocab_size:,} of {dc.vocab_size:,})",
+        f"memory per GPU ~{_gib(sum(mem.values()))} (estimate, {'bf16' if bf16 else 'fp32'} activations, batch "
+        f"{t.batch_size} x {t.max_len} tokens, K={t.ttt_steps}): " + ", ".join(f"{k} {_gib(v)}" for k, v in mem.items()),
+        f"steps: ceil({n_conv:,} / ({t.batch_size} batch x {world_size} processes x {t.grad_accum} accum)) x "
+        f"{t.epochs} epochs = {steps:,}",
+        f"time: {_hours(train_tokens, ('train', h, layers, 'bf16' if bf16 else 'no'))} for <= {train_tokens:,} tokens"]
+    drafting = f"tree {e.draft_tree}" if e.draft_tree else f"chain K={e.draft_steps}"
+    out["eval"] = [
+        f"engine {e.engine}: {e.max_prompts} prompts ({e.prompts}) x <= {e.max_new_tokens} new tokens, {drafting}, "
+        f"temperature {e.temperature}; baseline and speculative: <= {2 * e.max_prompts * e.max_new_tokens:,} "
+        "target tokens"]
+    return out
+
+
+def format_plan(cfg: RunConfig, stages: list[str] | None = None, world_size: int = 1, source: str = "") -> str:
+    p = plan(cfg, world_size)
+    lines = [f"dry run of {source or cfg.name} -> {cfg.run_path} (nothing loaded, nothing written)"]
+    for stage in ["target", *(stages or ["data_gen", "extract", "train", "eval"])]:
+        lines += [f"{stage}:"] + [f"  {line}" for line in p[stage]]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    from core.config import load_config
+
+    parser = argparse.ArgumentParser(prog="core.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/smollm2-135m-instruct.yaml", help="run config YAML")
+    parser.add_argument("--world-size", type=int, default=1, help="training processes (GPUs) to plan for")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.batch_size=2")
+    args = parser.parse_intermixed_args()
+    try:
+        text = format_plan(load_config(args.config, args.overrides), world_size=args.world_size, source=args.config)
+    except UserError as err:
+        parser.exit(2, f"core.plan: error: {err}\n")
+    sys.stdout.write(text + "\n")

@@ -1,0 +1,163 @@
+"""The shipped target configs (configs/<target>.yaml + configs/targets/<target>/config.json) validate offline,
+give the drafter the target's shape, export the layer ids each engine needs, and plan (--dry-run) without
+weights. SGLang's rule is executed from the real sglang==0.5.23 source, found by the config's architecture."""
+
+import ast
+import json
+
+import pytest
+
+from core.aux_layers import resolve_aux_layers
+from core.config import check_ranges, load_config
+from core.drafter import DrafterConfig, Eagle3Drafter
+from core.plan import drafter_params, plan, shard_bytes_per_token, train_memory
+from core.target import read_target_config, target_info
+from extract.sglang_launch import launch_vars
+from tests.conftest import ROOT, run_cli
+from tests.sglang_source import sglang_capture_layers, sglang_root, source_class
+
+# public config.json values: (model_type, layers, hidden, vocab, heads, kv heads, head_dim, MLP)
+TARGETS = {
+    "llama-3.1-8b-instruct": ("llama", 32, 4096, 128256, 32, 8, 128, 14336),
+    "qwen3-8b": ("qwen3", 36, 4096, 151936, 32, 8, 128, 12288),
+    "kimi-k2.5": ("kimi_k2", 61, 7168, 163840, 64, 64, 112, 18432),  # MLA: no head_dim, 7168 / 64
+}
+# input-of-layer aux ids, and what SGLang 0.5.23 must be given to capture them (golden)
+AUX = {"llama-3.1-8b-instruct": ([2, 16, 29], [1, 15, 28]), "qwen3-8b": ([2, 18, 33], [1, 17, 32]),
+       "kimi-k2.5": ([3, 31, 59], [3, 31, 59])}
+
+
+def target_cfg(name: str, tmp_path, *overrides):
+    return load_config(ROOT / f"configs/{name}.yaml", [f"run_dir={tmp_path / 'run'}", *overrides])
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_config_validates_offline_with_the_public_shape(name, tmp_path):
+    cfg = check_ranges(target_cfg(name, tmp_path))
+    info = target_info(cfg)  # config.json only: no weights, no tokenizer, no network
+    model_type, layers, hidden, vocab = TARGETS[name][:4]
+    assert (info.model_type, info.num_layers, info.hidden_size, info.vocab_size) == (model_type, layers, hidden, vocab)
+    assert resolve_aux_layers(cfg.extract.aux_layers, layers) == AUX[name][0]
+
+
+def test_a_config_without_weights_is_refused_before_loading(tmp_path):
+    from core.target import load_target
+
+    with pytest.raises(ValueError, match="no \\*.safetensors weights.*target.model="):
+        load_target(target_cfg("qwen3-8b", tmp_path, "target.device=cpu"))
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_drafter_train_builds_has_the_target_shape(name, tmp_path):
+    cfg = target_cfg(name, tmp_path)
+    tc = read_target_config(target_info(cfg).path)
+    _, layers, hidden, vocab, heads, kv, head_dim, mlp = TARGETS[name]
+    dc = DrafterConfig.for_target(tc, AUX[name][0], cfg.train.draft_vocab_size)
+    assert (dc.hidden_size, dc.target_hidden_size, dc.vocab_size, dc.draft_vocab_size) == (hidden, hidden, vocab, 32000)
+    assert (dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim, dc.intermediate_size) == (heads, kv, head_dim, mlp)
+    assert dc.target_model_type == TARGETS[name][0]
+    assert dc.rope_theta == {"llama": 500000.0, "qwen3": 1e6, "kimi_k2": 50000.0}[dc.target_model_type]
+
+
+def test_a_config_head_dim_wins_over_hidden_by_heads():
+    """Qwen3-0.6B's shape: 16 heads x 128 on a 1024-wide stream (not 1024 / 16 = 64)."""
+    tc = {"model_type": "qwen3", "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
+          "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "num_hidden_layers": 28}
+    assert DrafterConfig.for_target(tc, [2, 14, 25], 32000).head_dim == 128
+
+
+def sglang_model_file(arch: str) -> str:
+    """The SGLang model file that defines and registers `arch` (what the server loads for this config)."""
+    files = [f for f in sorted((sglang_root() / "srt/models").glob("*.py"))
+             if f"\nclass {arch}(" in (text := f.read_text()) and arch in text[text.rfind("EntryClass"):]]
+    assert len(files) == 1, f"{arch}: expected one SGLang model file, found {files}"
+    return files[0].name
+
+
+def sglang_capture_file(config: dict) -> str:
+    """File whose set_eagle3_layers_to_capture runs for this target. Kimi-K2.5's wrapper hands the ids
+    to its language model, a DeepseekV3ForCausalLM: checked in its source, then followed."""
+    name = sglang_model_file(config["architectures"][0])
+    if name != "kimi_k25.py":
+        return name
+    cls = source_class(f"srt/models/{name}", config["architectures"][0])
+    body = ast.unparse(cls)
+    assert "self.language_model = DeepseekV3ForCausalLM(" in body
+    method = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "set_eagle3_layers_to_capture")
+    assert "self.language_model.set_eagle3_layers_to_capture(layer_ids)" in ast.unparse(method)
+    return sglang_model_file("DeepseekV3ForCausalLM")
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_export_gives_each_engine_the_trained_layers(name, tmp_path):
+    """SGLang (its real rule, from the file this architecture loads) captures the trained layers from
+    eagle_config; llama.cpp's converter reads the top-level key as input-of-layer ids; the SGLang
+    extraction launcher passes the same ids. A shift by one on either side fails here."""
+    cfg = target_cfg(name, tmp_path)
+    config = json.loads((target_info(cfg).path / "config.json").read_text())
+    aux, sglang_ids = AUX[name]
+    export = DrafterConfig.for_target(read_target_config(target_info(cfg).path), aux, 32000).to_sglang()
+    ids = export["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert ids == sglang_ids
+    layers = TARGETS[name][1]
+    capture_file = sglang_capture_file(config)
+    assert sglang_capture_layers(capture_file, ids, layers) == aux
+    assert sglang_capture_layers(capture_file, [i + 1 for i in ids], layers) != aux
+    assert export["eagle_aux_hidden_state_layer_ids"] == aux  # llama.cpp: conversion/llama.py reads it as is
+    env, _ = launch_vars(cfg)
+    assert env["LAYER_IDS"] == " ".join(map(str, sglang_ids))
+
+
+@pytest.mark.parametrize("dc", [
+    DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=100, draft_vocab_size=50, target_hidden_size=64),
+    DrafterConfig(hidden_size=56, intermediate_size=96, num_attention_heads=8, num_key_value_heads=8, head_dim=7,
+                  vocab_size=90, draft_vocab_size=30, target_hidden_size=80)], ids=["gqa", "mha-other-target"])
+def test_planned_parameter_counts_are_the_drafters(dc):
+    counts, d = drafter_params(dc), Eagle3Drafter(dc)
+    assert sum(counts.values()) == sum(p.numel() for p in d.parameters())
+    assert counts["embed_tokens"] == d.embed_tokens.weight.numel() and counts["lm_head"] == d.lm_head.weight.numel()
+
+
+def test_shard_bytes_per_token_match_the_layout():
+    assert shard_bytes_per_token(4096, "bfloat16") == 8 * 4096 + 5  # ids int32 + mask u8 + 4H bf16
+    assert shard_bytes_per_token(7168, "fp8_e4m3") == 4 * 7168 + 5 + 16  # + 4 fp32 scales
+
+
+@pytest.mark.parametrize("name", [*TARGETS, "tiny-random-llama"])
+def test_plan_numbers(name, tmp_path):
+    cfg = load_config(ROOT / f"configs/{name}.yaml", [f"run_dir={tmp_path / 'run'}"])
+    p = plan(cfg, world_size=8)
+    t = cfg.train
+    steps = -(-cfg.data_gen.num_samples // (t.batch_size * 8 * t.grad_accum)) * t.epochs
+    assert f"= {steps:,}" in p["train"][2]
+    info = target_info(cfg)
+    assert f"{shard_bytes_per_token(info.hidden_size, cfg.extract.dtype):,} B/token" in p["extract"][0]
+    aux = resolve_aux_layers(cfg.extract.aux_layers, info.num_layers)
+    assert f"llama.cpp top-level ids {aux}" in p["target"][1]
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_times_only_measured_shapes(tmp_path):
+    kimi = plan(target_cfg("kimi-k2.5", tmp_path))
+    assert "not measured" in kimi["extract"][2] and "not measured" in kimi["train"][3]
+    llama = plan(target_cfg("llama-3.1-8b-instruct", tmp_path))
+    tokens = 16000 * (4096 + 1024)
+    assert f"~{tokens / 17_553 / 3600:,.1f} h at 17,553 tok/s" in llama["extract"][2]
+
+
+def test_train_memory_grows_with_batch_and_ttt_steps():
+    dc = DrafterConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096)
+    base = train_memory(dc, 400_000_000, 2, 2048, 7, True)
+    assert base["weights, grads, AdamW"] == 16 * 400_000_000
+    assert train_memory(dc, 400_000_000, 4, 2048, 7, True)["activations"] > base["activations"]
+    assert train_memory(dc, 400_000_000, 2, 2048, 3, True)["activations"] < base["activations"]
+
+
+def test_dry_run_cli_prints_the_stage_and_writes_nothing(tmp_path):
+    proc = run_cli("train", "--config", "configs/kimi-k2.5.yaml", "--dry-run", "--world-size", "8",
+                   "--run-dir", str(tmp_path / "run"))
+    assert "train:" in proc.stdout and "extract:" not in proc.stdout
+    assert "1,139.6M trainable" in proc.stdout and "ceil(16,000 / (1 batch x 8 processes x 1 accum))" in proc.stdout
+    assert not (tmp_path / "run").exists()
