@@ -30,6 +30,8 @@ MEASURED = {
     ("extract", 576, 30, "bfloat16"): [(126_513, f"one H200, hf engine; {_PERF}"),
                                        (600, f"2-core CPU, whole stage; {_PERF}")],
     ("extract", 576, 30, "fp8_e4m3"): [(173_496, f"one H200, hf engine; {_PERF}")],
+    ("train", 4096, 32, "bf16"): [(24_600, f"one H200, step only (no optimizer), 8B drafter, 8192-token batches, "
+                                           f"K=7, bench_train_step; {_PERF}")],
     ("train", 576, 30, "bf16"): [(1_400, f"2-core CPU with native bf16, K=3, 16 x 298 tokens; {_PERF}")],
     ("train", 576, 30, "no"): [(700, f"2-core CPU, fp32, K=3, 16 x 298 tokens; {_PERF}")],
 }
@@ -63,21 +65,24 @@ def drafter_params(dc: DrafterConfig) -> dict[str, int]:
             "norms": 4 * h, "lm_head": dc.draft_vocab_size * h}
 
 
-def train_memory(dc: DrafterConfig, trainable: int, batch: int, max_len: int, steps: int, bf16: bool) -> dict:
-    """Bytes per GPU, an estimate (not measured): fp32 weights + grads + AdamW's two moments of the
-    trainable parameters; the frozen embedding and the teacher lm_head [V,H] in fp32 (+ its bf16 copy
-    for the argmax); and what autograd keeps over the K TTT steps of one micro-batch of B x T tokens:
-    per step the attention probabilities [B,nh,T,T] (fp32 softmax + its bf16 cast), the layer's
-    activations per token, and the draft-vocab logits per token (counting every token as a loss token)."""
+def train_memory(dc: DrafterConfig, trainable: int, batch: int, max_len: int, steps: int, bf16: bool,
+                 checkpointing: bool = False, loss_chunk: int = 8192) -> dict:
+    """Bytes per GPU, an estimate of the step train/loop.py runs (flex attention: no [T,T] matrix; fused
+    head loss in chunks). Static: fp32 weights + grads + AdamW's two moments of the trainable parameters,
+    their bf16 autocast copies, the frozen embedding (bf16 under bf16) and the teacher's draft-vocab head.
+    Per micro-batch of n = B x T tokens: the fp32 inputs (aux, final) and teacher probabilities [n,Vd],
+    what autograd keeps per TTT step and token (20H + 3I values in the activation dtype) and one loss chunk's
+    temporaries; with activation checkpointing only each step's inputs (~9H values). The per-token
+    coefficients are fitted to the 8B shape measured on an H200 (docs/PERFORMANCE.md, bench_train_step:
+    1.71 MiB/token, 0.65 with checkpointing, K=7); the AdamW moments are not in that benchmark."""
     act = 2 if bf16 else 4
-    h, n = dc.hidden_size, batch * max_len
-    vh = dc.vocab_size * h
-    per_token = act * (8 * h + 2 * (dc.num_attention_heads + dc.num_key_value_heads) * dc.head_dim
-                       + 4 * dc.intermediate_size) + 4 * 3 * dc.draft_vocab_size  # logits, log-softmax, teacher p
-    attention = batch * dc.num_attention_heads * max_len * max_len * (4 + act)
-    return {"weights, grads, AdamW": 16 * trainable,
-            "frozen embedding + teacher head": 4 * vh * 2 + (2 * vh if bf16 else 0),
-            "activations": steps * (attention + n * per_token) + n * 4 * (3 * dc.target_hidden_size + dc.draft_vocab_size)}
+    h, n, vd = dc.hidden_size, batch * max_len, dc.draft_vocab_size
+    per_token_step = act * (9 * h if checkpointing else 20 * h + 3 * dc.intermediate_size)
+    loss_temporaries = 0 if checkpointing else min(n * steps, loss_chunk) * vd * 10
+    return {"weights, grads, AdamW": 16 * trainable + (2 * trainable if bf16 else 0),
+            "frozen embedding + teacher head": act * dc.vocab_size * h + act * vd * h,
+            "batch inputs + teacher": n * 4 * (4 * dc.target_hidden_size + vd),
+            "activations": steps * n * per_token_step + loss_temporaries}
 
 
 def _duration(seconds: float) -> str:
@@ -132,7 +137,8 @@ def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
     frozen = params["embed_tokens"] + (params["lm_head"] if t.freeze_lm_head else 0)
     trainable = sum(params.values()) - frozen
     bf16 = t.mixed_precision != "no"
-    mem = train_memory(dc, trainable, t.batch_size, t.max_len, t.ttt_steps, bf16)
+    mem = train_memory(dc, trainable, t.batch_size, t.max_len, t.ttt_steps, bf16, t.activation_checkpointing,
+                       t.loss_chunk)
     per_step = t.batch_size * world_size * t.grad_accum
     steps = math.ceil(n_conv / per_step) * t.epochs
     train_tokens = n_conv * min(cap, t.max_len) * t.epochs
