@@ -1,12 +1,14 @@
-"""Chat-template rendering shared by data_gen (prompts to answer) and eval (prompts to decode)."""
+"""Chat-template rendering shared by data_gen (prompts to answer), eval and train's τ probe (prompts to decode)."""
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 
-from core.prompts import Prompt
+from core.errors import UserError
+from core.prompts import Prompt, load_prompt_file, load_prompts
 
 
 def prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
@@ -37,3 +39,21 @@ def fitting_prompts(prompts: Iterable[Prompt], tokenizer, max_tokens: int, limit
             if len(chosen) == limit:
                 break
     return chosen
+
+
+def eval_prompt_ids(cfg, tokenizer, prompt_file: str | None = None, limit: int | None = None) -> list[tuple[str, list[int]]]:
+    """(id, templated prompt ids) of eval's prompts: --prompts file, else eval.prompts (held-out ShareGPT or a
+    file); the first `limit` (default eval.max_prompts) that fit data_gen.max_prompt_tokens. Eval and
+    train's τ probe measure on these."""
+    if prompt_file:
+        prompts = load_prompt_file(Path(prompt_file))
+    elif cfg.eval.prompts == "heldout":
+        prompts = load_prompts(cfg.data_gen.prompts, "heldout", cfg.data_gen.heldout_percent)
+    else:
+        prompts = load_prompt_file(Path(cfg.eval.prompts))
+    out = [(p.id, ids) for p, ids in fitting_prompts(prompts, tokenizer, cfg.data_gen.max_prompt_tokens,
+                                                     limit or cfg.eval.max_prompts, Counter())]
+    if not out:
+        raise UserError(f"no eval prompts of <= {cfg.data_gen.max_prompt_tokens} tokens in "
+                         f"{prompt_file or cfg.eval.prompts}")
+    return out

@@ -297,11 +297,24 @@ class Eagle3Drafter(nn.Module):
             raise UserError(f"{cfg_path}: drafter for a target of vocab {c.vocab_size} / hidden size "
                             f"{c.target_hidden_size}, but this target has {vocab} / {hidden}: pass the drafter "
                             "trained for this target (--draft) or set target.model to its target")
-        model = cls(c)
         try:
             weights = load_file(str(in_dir / "model.safetensors"))
         except (SafetensorError, OSError) as e:
             raise UserError(f"{in_dir / 'model.safetensors'}: unreadable ({e})") from None
+        return cls.from_export(c, weights, embed_weight, in_dir / "model.safetensors")
+
+    def exported_copy(self) -> Eagle3Drafter:
+        """A new drafter with exactly the weights save_pretrained would write (bf16-rounded, aux_scale
+        folded into fc), on this one's device: what an engine would load, measured mid-training."""
+        embed = self.embed_tokens.weight.detach()
+        copy = Eagle3Drafter.from_export(self.config, self.export_state_dict(), embed.float().cpu(), "exported copy")
+        return copy.to(embed.device)
+
+    @classmethod
+    def from_export(cls, c: DrafterConfig, weights: dict[str, torch.Tensor], embed_weight: torch.Tensor,
+                    source) -> Eagle3Drafter:
+        """A drafter from SGLang-format tensors (`source` names them in errors); embedding from the target."""
+        model = cls(c)
         sd = {k.removeprefix("model.").replace("layers.0.", "midlayer."): v for k, v in weights.items()}
         sd["embed_tokens.weight"] = embed_weight
         sd["aux_scale"] = torch.ones(3 * c.target_hidden_size)
@@ -312,8 +325,8 @@ class Eagle3Drafter(nn.Module):
             missing, unexpected = model.load_state_dict({k: v.float() if v.is_floating_point() else v
                                                          for k, v in sd.items()}, strict=False)
         except RuntimeError as e:  # size mismatches: weights of another shape than config.json says
-            raise UserError(f"{in_dir}/model.safetensors does not fit its config.json: "
+            raise UserError(f"{source} does not fit its config.json: "
                             f"{str(e).splitlines()[-1].strip()}") from None
         if missing or unexpected:
-            raise UserError(f"{in_dir}/model.safetensors: missing {missing}, unexpected {unexpected}")
+            raise UserError(f"{source}: missing {missing}, unexpected {unexpected}")
         return model

@@ -8,6 +8,7 @@ from pathlib import Path
 import matplotlib
 
 from core.atomic_io import atomic_write_json, atomic_write_text
+from core.decode import acceptance_length
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -25,7 +26,7 @@ def summarize(results: list[dict], draft_steps: int, tree: list[int] | None = No
     base_tokens = sum(r["baseline_tokens"] for r in results)
     tps_base, tps_spec = base_tokens / t_base, tokens / t_spec
     return {
-        "acceptance_length": sum(lengths) / steps,
+        "acceptance_length": acceptance_length(lengths),
         "per_position_acceptance": [sum(a > i + 1 for a in lengths) / steps for i in range(depth)],
         "accept_length_histogram": [sum(a == i for a in lengths) for i in range(1, depth + 2)],
         "outputs_match_baseline": all(r["match"] for r in results) if temperature == 0 else None,

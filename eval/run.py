@@ -19,20 +19,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from core.chat import fitting_prompts
+from core.chat import eval_prompt_ids
 from core.config import RunConfig, check_ranges, to_dict
 from core.decode import generate, speculative_generate
 from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
 from core.errors import UserError
 from core.manifest import check_compat, git_sha, read_manifest, write_manifest
-from core.prompts import load_prompt_file, load_prompts
 from core.stage_lock import stage_lock
 from core.target import (
     cache_root,
@@ -69,21 +67,6 @@ def cli_overrides(args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else None
     return {"engine": args.engine, "server_type": args.server_type, "base_url": args.base, "spec_url": args.spec,
             "concurrency": levels, "max_prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens}
-
-
-def eval_prompts(cfg: RunConfig, tokenizer, prompt_file: str | None) -> list[tuple[str, list[int]]]:
-    if prompt_file:
-        prompts = load_prompt_file(Path(prompt_file))
-    elif cfg.eval.prompts == "heldout":
-        prompts = load_prompts(cfg.data_gen.prompts, "heldout", cfg.data_gen.heldout_percent)
-    else:
-        prompts = load_prompt_file(Path(cfg.eval.prompts))
-    out = [(p.id, ids) for p, ids in fitting_prompts(prompts, tokenizer, cfg.data_gen.max_prompt_tokens,
-                                                     cfg.eval.max_prompts, Counter())]
-    if not out:
-        raise UserError(f"no eval prompts of <= {cfg.data_gen.max_prompt_tokens} tokens in "
-                         f"{prompt_file or cfg.eval.prompts}")
-    return out
 
 
 def _timed(fn):
@@ -168,7 +151,7 @@ def drafter_manifest(cfg: RunConfig, draft_dir: Path) -> dict:
 def evaluate(cfg: RunConfig, prompts: str | None, draft_dir: Path, out_dir: Path) -> dict:
     ev = cfg.eval
     drafted_by = drafter_manifest(cfg, draft_dir) if ev.engine != "server" else {}
-    items = eval_prompts(cfg, load_tokenizer(cfg), prompts)
+    items = eval_prompt_ids(cfg, load_tokenizer(cfg), prompts)
     k, n = ev.draft_steps, ev.max_new_tokens
     report = {"engine": ev.engine, "target": cfg.target.model, "drafter": str(draft_dir),
               "drafter_fingerprint": drafted_by.get("fingerprint"), "prompts": prompts or ev.prompts,

@@ -155,7 +155,7 @@ def test_train_memory_estimate_matches_the_h200_measurements_and_grows_with_batc
                        head_dim=128, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096)
     trainable = 424_689_664  # the bench's drafter
     for t, measured in H200_PEAK_GIB.items():
-        for checkpointing, gib in zip((False, True), measured):
+        for checkpointing, gib in zip((False, True), measured, strict=True):
             est = train_memory(dc, trainable, 1, t, 7, True, checkpointing)
             without_adam = (sum(est.values()) - 8 * trainable) / 2**30
             assert abs(without_adam - gib) / gib < 0.1, (t, checkpointing, without_adam, gib)

@@ -67,7 +67,7 @@ def test_block_mask_visits_causal_blocks_and_one_diagonal_block_per_later_step()
 def test_fused_head_loss_equals_plain_autograd():
     """Values, per-step sums, accuracy counts and both gradients, over several chunks of rows."""
     g = torch.Generator().manual_seed(3)
-    h, vd, steps = 16, 40, 3
+    h, vd = 16, 40
     weight = torch.randn(vd, h, generator=g, requires_grad=True)
     p = torch.softmax(2 * torch.randn(50, vd, generator=g), -1)
     top = p.argmax(-1)
@@ -80,7 +80,7 @@ def test_fused_head_loss_equals_plain_autograd():
         grads = torch.autograd.grad(2.5 * total, [weight, xs[0], xs[2]])
         out[chunk] = (total.detach(), sums, correct, *grads)
     assert out[0][2].tolist() == out[5][2].tolist()
-    for a, b in zip(out[0], out[5]):
+    for a, b in zip(out[0], out[5], strict=True):
         torch.testing.assert_close(a.float(), b.float(), **TOL)
     assert out[0][1][0] > 0 and out[0][1][1] == 0
 

@@ -81,7 +81,7 @@ def draft_head_loss(xs: list[torch.Tensor], weight: torch.Tensor, p: torch.Tenso
     device = weight.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else xs[0].dtype
     if chunk == 0:
-        sums = [soft_ce_sums(x.to(dtype) @ weight.to(dtype).T, p[r], top[r]) for x, r in zip(xs, rows)]
+        sums = [soft_ce_sums(x.to(dtype) @ weight.to(dtype).T, p[r], top[r]) for x, r in zip(xs, rows, strict=True)]
         loss_sums = torch.stack([s for s, _ in sums])
         return (loss_sums * scales).sum(), loss_sums.detach(), torch.stack([c for _, c in sums])
     step_of_row = torch.cat([torch.full((x.shape[0],), k, device=device) for k, x in enumerate(xs)])
