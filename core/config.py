@@ -119,6 +119,11 @@ class TrainConfig:
                                "0 = plain autograd (the reference path)", ge=0)
     compile: str = _f("auto", "auto | yes | no: torch.compile the TTT step's layer (fuses norms, RoPE, SiLU); "
                               "auto = on CUDA")
+    tau_every: int = _f(0, "optimizer steps between τ measurements (eval's hf engine on the drafter as exported, "
+                           "greedy chain of K = eval.draft_steps, on eval's prompts), also at the last step; "
+                           "logged with loss_k / acc_k; 0 = off", ge=0)
+    tau_prompts: int = _f(4, "prompts per τ measurement (the first of eval's prompts)", ge=1)
+    tau_new_tokens: int = _f(48, "tokens generated per prompt in a τ measurement", ge=1)
     activation_checkpointing: bool = _f(False, "recompute each TTT step's layer in the backward: less memory, "
                                                "about a third more layer compute")
 

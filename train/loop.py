@@ -35,6 +35,7 @@ from core.target import TargetHead, load_target_embeddings, read_target_config, 
 from train.data import ShardDataset, aux_rms, collate, length_grouped_batches, precompute_argmax
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
 from train.plots import plot_curves
+from train.tau_probe import TauProbe
 from train.ttt_loss import TTTObjective, step_metrics, teacher_targets
 
 log = logging.getLogger("train")
@@ -116,10 +117,12 @@ def resume(accelerator: Accelerator, ckpt_root: Path, metrics_path: Path) -> tup
 
 
 def log_metrics(accelerator: Accelerator, metrics_path: Path, step: int, epoch: int, lr: float,
-                sums: dict[str, torch.Tensor], decay: float) -> dict:
-    """Per-step sums since the last line, summed across ranks, then divided (step_metrics)."""
+                sums: dict[str, torch.Tensor], decay: float, extra: dict) -> dict:
+    """Per-step sums since the last line, summed across ranks, then divided (step_metrics); plus `extra`
+    (τ, measured on the main process)."""
     row = {"step": step, "epoch": epoch, "lr": lr}
     row.update(step_metrics({k: accelerator.reduce(v, "sum") for k, v in sums.items()}, decay))
+    row.update(extra)
     accelerator.log(row, step=step)
     if accelerator.is_main_process:
         append_jsonl(metrics_path, [row])
@@ -128,7 +131,8 @@ def log_metrics(accelerator: Accelerator, metrics_path: Path, step: int, epoch: 
 
 # how the step is computed, not what it computes: a run may resume with other values
 SETTINGS_EXCLUDED = ("log_every", "save_every", "wandb_mode", "wandb_project", "mixed_precision", "attention",
-                     "loss_chunk", "compile", "activation_checkpointing")
+                     "loss_chunk", "compile", "activation_checkpointing", "tau_every", "tau_prompts",
+                     "tau_new_tokens")
 
 
 def training_settings(cfg: RunConfig, hidden_manifest: dict, shards: HiddenShards, world_size: int,
@@ -278,6 +282,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
         accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg), init_kwargs={
             "wandb": {"dir": str(train_dir), "name": cfg.name, "mode": tc.wandb_mode}})
     window = None  # per-step loss / accuracy sums of the micro-batches since the last log line
+    probe = TauProbe(cfg)
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     for epoch in range(start_epoch, tc.epochs):
         dl = epoch_loader(ds, lengths, cfg, epoch, accelerator)
@@ -305,10 +310,13 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
                 continue
             step += 1
             bar.update(1)
-            if step % tc.log_every == 0 or step == total_steps:  # .item() (a sync) only here
-                row = log_metrics(accelerator, metrics_path, step, epoch, sched.get_last_lr()[0], window, tc.loss_decay)
+            measure_tau = probe.due(step, total_steps)
+            if step % tc.log_every == 0 or step == total_steps or measure_tau:  # .item() (a sync) only here
+                extra = probe.measure(accelerator, objective) if measure_tau else {}
+                row = log_metrics(accelerator, metrics_path, step, epoch, sched.get_last_lr()[0], window, tc.loss_decay,
+                                  extra)
                 window = None
-                bar.set_postfix(loss=f"{row['loss']:.3f}", acc_0=f"{row['acc_0']:.3f}")
+                bar.set_postfix({k: f"{row[k]:.3f}" for k in ("loss", "acc_0", "tau") if k in row})
             if tc.save_every and step % tc.save_every == 0:
                 save_checkpoint(accelerator, ckpt_root, step, epoch, i + 1)
         skip = 0

@@ -1,0 +1,48 @@
+"""τ during training (issue 13): logged beside loss_k / acc_k in metrics.jsonl, W&B and curves.png, and
+equal to what eval's engine measures on the exported drafter with the same prompts, K and length."""
+
+import dataclasses
+
+import matplotlib.image
+import torch
+
+from core.atomic_io import read_jsonl
+from core.chat import eval_prompt_ids
+from core.drafter import Eagle3Drafter
+from core.target import load_target_embeddings, load_tokenizer, target_info
+from eval.run import hf_eval
+from train.tau_probe import TauProbe
+
+
+def test_tau_is_logged_at_its_steps_to_metrics_wandb_and_the_plot(overfit_tiny):
+    cfg, run_dir, _, _ = overfit_tiny
+    rows = read_jsonl(run_dir / "train/metrics.jsonl")
+    taus = {r["step"]: r["tau"] for r in rows if "tau" in r}
+    assert sorted(taus) == [45, 90] and rows[-1]["step"] == 90
+    assert all(1.0 <= t <= cfg.eval.draft_steps + 1 for t in taus.values())
+    history = list((run_dir / "train/wandb").glob("offline-run-*/run-*.wandb"))
+    assert history and b"tau" in history[0].read_bytes()
+    height, width = matplotlib.image.imread(run_dir / "train/curves.png").shape[:2]
+    assert width > 3.5 * height  # three panels (loss, accuracy, τ), not two (2.8)
+
+
+def test_tau_probe_equals_evals_engine_on_the_exported_drafter(overfit_tiny):
+    """On the prompts the drafter memorised (τ far above 1), the probe's τ equals eval's hf engine's on the
+    exported drafter, exactly. The probe folds a training-time aux_scale like the export does: scale fc's
+    input by s and its weight by s (the same function), and τ must not move. The last logged τ (held-out
+    prompts) is the probe's τ of the exported drafter."""
+    cfg, run_dir, _, prompts = overfit_tiny
+    info = target_info(cfg)
+    drafter = Eagle3Drafter.from_pretrained(run_dir / "drafter", load_target_embeddings(cfg).embed, info.model_type,
+                                            info.num_layers)
+    scale = torch.rand(drafter.aux_scale.shape, generator=torch.Generator().manual_seed(0)) * 4 + 0.5
+    with torch.no_grad():
+        drafter.aux_scale.copy_(scale)
+        drafter.fc.weight.mul_(scale)
+    own = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, prompts=str(prompts), max_prompts=cfg.train.tau_prompts,
+                                                            max_new_tokens=cfg.train.tau_new_tokens))
+    tau = TauProbe(own)(drafter)
+    summary, _ = hf_eval(own, eval_prompt_ids(own, load_tokenizer(own)), run_dir / "drafter")
+    assert tau == summary["acceptance_length"] and tau > 1.5, (tau, summary["acceptance_length"])
+    final = read_jsonl(run_dir / "train/metrics.jsonl")[-1]
+    assert final["tau"] == TauProbe(cfg)(drafter)

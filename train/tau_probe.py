@@ -1,0 +1,48 @@
+"""τ during training: the drafter as it would be exported, decoded by eval's engine on eval's prompts.
+
+Training accuracy can be high while serving accepts almost nothing (the field's most common
+complaint); a τ curve beside loss_k / acc_k shows that while the run goes. Same code as eval's hf
+engine: `speculative_generate` at T=0 with a chain of K = eval.draft_steps, on the first
+train.tau_prompts of eval's prompts (held-out ShareGPT by default), train.tau_new_tokens each. The target is
+loaded on the first measurement, on the main process only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core.chat import eval_prompt_ids
+from core.config import RunConfig
+from core.decode import acceptance_length, speculative_generate
+from core.drafter import Eagle3Drafter
+from core.target import end_of_turn_ids, load_target
+
+
+class TauProbe:
+    def __init__(self, cfg: RunConfig):
+        self.cfg, self.model = cfg, None
+
+    def due(self, step: int, total_steps: int) -> bool:
+        every = self.cfg.train.tau_every
+        return bool(every) and (step % every == 0 or step == total_steps)
+
+    def measure(self, accelerator, objective) -> dict:
+        """{"tau": τ} on the main process ({} elsewhere); every process waits for it."""
+        out = {"tau": self(accelerator.unwrap_model(objective).drafter)} if accelerator.is_main_process else {}
+        accelerator.wait_for_everyone()
+        return out
+
+    @torch.no_grad()
+    def __call__(self, drafter: Eagle3Drafter) -> float:
+        if self.model is None:
+            self.model, tok = load_target(self.cfg)
+            self.stop = end_of_turn_ids(tok, self.model.generation_config)
+            self.items = eval_prompt_ids(self.cfg, tok, limit=self.cfg.train.tau_prompts)
+        with torch.random.fork_rng(devices=[]):  # building the copy draws init weights: keep training's RNG stream
+            draft = drafter.exported_copy().to(self.model.device, self.model.dtype).eval()
+        lengths = []
+        for _, ids in self.items:
+            out = speculative_generate(self.model, draft, ids, self.cfg.train.tau_new_tokens, self.stop,
+                                       self.cfg.eval.draft_steps)
+            lengths += out.accept_lengths
+        return acceptance_length(lengths)
