@@ -68,7 +68,8 @@ def main() -> int:
     except UserError as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 2
-    args.overrides = [*machine_sizes(), *args.overrides]  # the user's key=value win (sized at torch's threads)
+    # the user's key=value win; τ on 4 held-out prompts every 40 steps draws train/curves.png's τ panel
+    args.overrides = [*machine_sizes(), "train.tau_every=40", "train.tau_new_tokens=32", *args.overrides]
     set_threads(cfg.threads)
     if cached_server_binary(cache_root(cfg)) is not None:  # eval also serves the drafter in llama.cpp
         args.overrides = ["eval.engine=llamacpp", *args.overrides]

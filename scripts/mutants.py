@@ -9,7 +9,8 @@ there with `python -m pytest -x -q`. Killed = pytest exits 1 (a test failed). A 
 exit (a collection error says the mutant broke the import, not the behaviour), is a survivor.
 Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, K1-K2 the two it
 found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S1-S2 and T1-T2 issue
-10's speculative sampling and draft trees.
+10's speculative sampling and draft trees, F1-F4 issue 13's fast TTT step (flex block mask, fused loss,
+checkpointing).
 """
 
 from __future__ import annotations
