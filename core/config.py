@@ -94,7 +94,10 @@ class TrainConfig:
     ttt_steps: int = _f(7, "training-time-test unroll K", ge=1)
     loss_decay: float = _f(0.8, "weight of step k is decay**k", gt=0, le=1)
     draft_vocab_size: int = _f(8192, "rows of the draft lm_head (top tokens by frequency)", ge=1)
-    epochs: int = _f(4, "passes over the shards", ge=1)
+    source: str = _f("offline", "offline (hidden shards written by extract) | online (the target runs in the training "
+                                "process on each batch, captured as extract would from the conversations: no shards "
+                                "on disk, one target forward per batch per epoch)")
+    epochs: int = _f(4, "passes over the training data", ge=1)
     batch_size: int = _f(4, "samples per micro-batch (per process)", ge=1)
     grad_accum: int = _f(1, "micro-batches per optimizer step", ge=1)
     max_len: int = _f(2048, "samples are truncated to this many tokens", ge=2)

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from core.atomic_io import atomic_write
 from core.errors import UserError
+from core.manifest import check_compat, read_manifest
 
 FEATURES = datasets.Features({
     "id": datasets.Value("string"),
@@ -56,6 +57,14 @@ def read_conversations(conv_dir: Path) -> datasets.Dataset:
         raise UserError(f"no conversations in {conv_dir}: run `make generate` first")
     tables = [pq.read_table(f) for f in files]
     return datasets.concatenate_datasets([datasets.Dataset(t) for t in tables])
+
+
+def read_conversations_for(conv_dir: Path, target: str) -> tuple[dict, datasets.Dataset]:
+    """What a consumer of conversations reads (extract, and train with train.source=online): data_gen's
+    manifest, checked to be for `target`, and every committed row -> (manifest, rows)."""
+    manifest = read_manifest(conv_dir, "generate")
+    check_compat(manifest, {"target": target}, conv_dir)
+    return manifest, read_conversations(conv_dir)
 
 
 def done_ids(conv_dir: Path) -> set[str]:

@@ -1,14 +1,9 @@
-"""In-process extraction: one batched forward with output_hidden_states per token budget.
-
-aux = concat(hidden_states[i] for i in aux_layers)  (input of decoder layer i: the convention of core/aux_layers.py)
-final = hidden_states[-1]                            (post-final-norm; teacher logits = lm_head(final))
-"""
+"""In-process extraction: batches of at most a token budget, each captured by one forward
+(core/hidden_capture.py, the capture train.source=online uses too)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-
-import torch
 
 
 def batches_by_tokens(lengths: list[int], batch_tokens: int) -> Iterator[list[int]]:
@@ -22,19 +17,3 @@ def batches_by_tokens(lengths: list[int], batch_tokens: int) -> Iterator[list[in
         batch.append(i)
     if batch:
         yield batch
-
-
-@torch.inference_mode()
-def extract_batch(model, seqs: list[list[int]], aux_layers: list[int]) -> list[tuple[torch.Tensor, ...]]:
-    """Right-padded forward; per sample (the ids the model ran [T], on the CPU; aux [T,3H] and
-    final [T,H] on the model's device). The batch is built on the CPU and sent in one copy."""
-    lengths = torch.tensor([len(s) for s in seqs])
-    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.as_tensor(s)
-    mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
-    hs = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                     output_hidden_states=True).hidden_states
-    aux = torch.cat([hs[i] for i in aux_layers], dim=-1)
-    final = hs[-1]
-    return [(ids[i, : len(s)], aux[i, : len(s)], final[i, : len(s)]) for i, s in enumerate(seqs)]

@@ -13,18 +13,18 @@ import asyncio
 import logging
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from core.aux_layers import resolve_aux_layers
 from core.config import RunConfig
-from core.conversations import read_conversations
+from core.conversations import read_conversations_for
 from core.errors import UserError
+from core.hidden_capture import capture_compat, extract_batch
 from core.hidden_shards import ShardWriter
-from core.manifest import check_compat, open_stage_dir, read_manifest, write_manifest
+from core.manifest import open_stage_dir, write_manifest
 from core.stage_lock import stage_lock
 from core.target import load_target, resolve_precision, target_info
-from extract.hf_engine import batches_by_tokens, extract_batch
+from extract.hf_engine import batches_by_tokens
 from extract.sglang_client import SGLangExtractor
 
 log = logging.getLogger("extract")
@@ -41,18 +41,15 @@ def main(cfg: RunConfig, fresh: bool = False) -> Path:
 
 def extract(cfg: RunConfig, out: Path, fresh: bool) -> Path:
     ex, conv_dir = cfg.extract, cfg.run_path / "conversations"
-    conv_manifest = read_manifest(conv_dir, "generate")
-    check_compat(conv_manifest, {"target": cfg.target.model}, conv_dir)
+    conv_manifest, convs = read_conversations_for(conv_dir, cfg.target.model)
     info = target_info(cfg)
     aux_layers = resolve_aux_layers(ex.aux_layers, info.num_layers)
-    compat = {"target": cfg.target.model, "hidden_size": info.hidden_size, "aux_layers": aux_layers,
-              "vocab_size": info.vocab_size, "dtype": ex.dtype, "spans": ex.spans}
+    compat = {**capture_compat(cfg, info, aux_layers), "dtype": ex.dtype, "spans": ex.spans}
     # the conversations' own settings, not their count: more conversations of the same settings extend the shards
     settings = {"conversations": conv_manifest.get("fingerprint"), "target.dtype": cfg.target.dtype, **compat}
     open_stage_dir(out, "extract", settings, fresh)
     write_manifest(out, "extract", cfg, compat, {"status": "in progress"}, {"conversations": str(conv_dir)}, settings)
 
-    convs = read_conversations(conv_dir)
     writer = ShardWriter(out, info.hidden_size, ex.dtype, ex.shard_mb, ex.spans)
     todo = [i for i, sid in enumerate(convs["id"]) if sid not in writer.done]
     rows = convs.select(todo)
@@ -84,8 +81,7 @@ def extract_hf(model, rows, lengths: list[int], aux_layers: list[int], writer: S
     """rows: a conversations Dataset (id, input_ids, loss_mask); batches of <= batch_tokens padded tokens."""
     for batch in batches_by_tokens(lengths, batch_tokens):
         sel = rows.select(batch)
-        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            outs = extract_batch(model, sel["input_ids"], aux_layers)
+        outs = extract_batch(model, sel["input_ids"], aux_layers, precision)
         for sid, ids, mask, (seen, aux, final) in zip(sel["id"], sel["input_ids"], sel["loss_mask"], outs, strict=True):
             writer.add(sid, ids, mask, aux, final, seen_ids=seen)
         bar.update(sum(lengths[i] for i in batch))

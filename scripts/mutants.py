@@ -10,7 +10,7 @@ exit (a collection error says the mutant broke the import, not the behaviour), i
 Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, K1-K2 the two it
 found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S1-S2 and T1-T2 issue
 10's speculative sampling and draft trees, F1-F4 issue 13's fast TTT step (flex block mask, fused loss,
-checkpointing).
+checkpointing), O1-O4 issue 13's online training.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ RESUME = ("tests/test_resume.py",)
 SAMPLING = ("tests/test_speculative_modes.py::test_speculative_sampling_at_t1_keeps_the_target_distribution",)
 FAST = ("tests/test_ttt_fast_paths.py",)
 TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_output",)
+ONLINE = ("tests/test_train_online.py",)
 MUTANTS = [
     Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/loop.py",
            '    accelerator.load_state(str(ckpt_root / latest["path"]))\n', "", RESUME),
@@ -114,6 +115,17 @@ MUTANTS = [
            "mask[0, 0, 1:, m + 1: m + 1 + n] = True", TREE),
     Mutant("T2", "the accepted tree path's K/V are not moved to the chain slots", "core/decode.py",
            "            _compact(cache, [m + 1 + i for i in path], m + 1)\n", "", TREE),
+    Mutant("O1", "online captures read the aux layers shifted by one", "train/online.py",
+           "capture(self.model, ids, valid.long(), self.aux_layers,",
+           "capture(self.model, ids, valid.long(), [i + 1 for i in self.aux_layers],", ONLINE),
+    Mutant("O2", "online teacher argmax ignores train.loss_on_prompt", "train/online.py",
+           'teacher_positions(batch["valid"] if self.on_prompt else batch["loss_mask"])',
+           'teacher_positions(batch["loss_mask"])', ONLINE),
+    Mutant("O3", "online draft vocab counted over every token, not the loss-masked ones", "train/online.py",
+           '            yield s["input_ids"], s["loss_mask"]', '            yield s["input_ids"], s["input_ids"] * 0 + 1',
+           ONLINE),
+    Mutant("O4", "online samples in conversation order, not the shards' sorted ids", "train/online.py",
+           "order = sorted(range(len(ids)), key=ids.__getitem__)", "order = list(range(len(ids)))", ONLINE),
     Mutant("N11", "atomic writes keep the writer's 0600 mode", "core/atomic_io.py",
            "        os.chmod(tmp, FILE_MODE)\n", "",
            ("tests/test_pipeline.py::test_outputs_are_readable_by_other_users",)),

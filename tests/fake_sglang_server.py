@@ -2,7 +2,7 @@
 `/generate` and `/health` on loopback, built on the hf engine and the plugin's real hooks.
 
 For each `/generate` with return_hidden_states the double computes the prompt's hidden states with
-extract/hf_engine.extract_batch and feeds them to extract.sglang_plugin.append_prefill_hidden_states
+core/hidden_capture.extract_batch and feeds them to extract.sglang_plugin.append_prefill_hidden_states
 the way SGLang's scheduler does: the prefill split into >= 3 chunks (middle chunks flagged by
 inflight_middle_chunks > 0 and store=False), every chunk batched together with a decode row of
 another request and a row of a request that did not ask for hidden states. At start it runs a
@@ -26,8 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from core.hidden_capture import extract_batch
 from extract import sglang_plugin as plugin
-from extract.hf_engine import extract_batch
 
 
 @dataclass(eq=False)  # hashed and weakly referenced by identity, as sglang's Req (no __eq__/__slots__)

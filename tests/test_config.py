@@ -37,9 +37,10 @@ def test_cli_rejects_bad_key_with_one_line_and_exit_2():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "extract: error: configs/smollm2-135m-instruct.yaml: unknown config key train.bogus "
-        "(known: aux_noise, batch_size, draft_vocab_size, epochs, freeze_lm_head, grad_accum, grad_clip, "
-        "init_lm_head_from_target, log_every, loss_decay, loss_on_prompt, lr, max_len, mixed_precision, "
-        "save_every, ttt_steps, wandb_mode, wandb_project, warmup_ratio, weight_decay)")
+        "(known: activation_checkpointing, attention, aux_noise, batch_size, compile, draft_vocab_size, epochs, "
+        "freeze_lm_head, grad_accum, grad_clip, init_lm_head_from_target, log_every, loss_chunk, loss_decay, "
+        "loss_on_prompt, lr, max_len, mixed_precision, save_every, source, ttt_steps, wandb_mode, wandb_project, "
+        "warmup_ratio, weight_decay)")
 
 
 def test_help_lists_every_key():

@@ -11,8 +11,8 @@ import torch
 from core.chat import prompt_ids
 from core.config import load_config
 from core.decode import generate, speculative_generate
+from core.hidden_capture import extract_batch
 from core.target import load_target, load_target_embeddings
-from extract.hf_engine import extract_batch
 from tests.conftest import ROOT
 from train.draft_vocab import build_draft_vocab
 from train.loop import build_drafter

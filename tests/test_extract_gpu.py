@@ -4,8 +4,8 @@ copies equal a fresh single-sample forward. Ran on the lent H200 (docs/PERFORMAN
 import pytest
 import torch
 
+from core.hidden_capture import extract_batch
 from core.hidden_shards import HiddenShards, ShardWriter
-from extract.hf_engine import extract_batch
 from extract.run import extract_hf
 from scripts.bench_extract import synthetic_rows
 

@@ -1,14 +1,30 @@
-"""Samples from hidden shards, padded into batches (right padding; causal attention never looks right)."""
+"""Where training samples come from (train.source), and how they are padded into batches (right
+padding; causal attention never looks right).
+
+A source gives the loop: `compat` (target, hidden size, aux layers, vocab), `inputs` and `settings` for
+the manifests, `ids` (sorted) and `lengths`, `token_pairs()` and `aux_samples()` (the draft vocab's
+counts and aux_rms), `dataset(...)`, `complete(batch)` (the batch as the TTT step reads it: aux, final
+and the teacher argmax), and `where(ids)` (what to name when a batch goes wrong).
+  offline  ShardSource here: the hidden shards extract wrote.
+  online   train/online.py: the conversations, captured by the target in the training process.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from core.config import RunConfig
 from core.errors import UserError
 from core.hidden_shards import HiddenShards, teacher_positions
+from core.manifest import check_compat, read_manifest
+from core.target import TargetHead
 from train.ttt_loss import teacher_argmax
+
+AUX_RMS_SAMPLES = 128  # aux_rms reads the first this many samples (sorted ids)
 
 
 class ShardDataset(Dataset):
@@ -24,6 +40,54 @@ class ShardDataset(Dataset):
         s = self.shards.load(self.ids[i])
         s.update({name: per_id[self.ids[i]] for name, per_id in self.extra.items()})
         return {"id": self.ids[i], **{k: v[: self.max_len] for k, v in s.items()}}
+
+
+class ShardSource:
+    """train.source=offline: <run>/hidden, made by extract."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device):
+        self.dir, self.device = cfg.run_path / "hidden", device
+        self.manifest = read_manifest(self.dir, "extract")
+        check_compat(self.manifest, {"target": cfg.target.model}, self.dir)
+        self.shards = HiddenShards(self.dir)
+        if cfg.train.loss_on_prompt and not self.shards.final_everywhere:  # before anything is written
+            raise UserError(f"train.loss_on_prompt needs final rows on every token, but {self.dir} was extracted "
+                            "with extract.spans=loss: re-extract with extract.spans=all or set "
+                            "train.loss_on_prompt=false")
+        self.compat, self.inputs, self.ids = self.manifest["compat"], {"hidden": str(self.dir)}, self.shards.ids
+        self.max_len = cfg.train.max_len
+        self.lengths = [min(self.shards.rows[i]["length"], self.max_len) for i in self.ids]
+
+    def settings(self) -> dict:
+        """The data's part of the run's settings (unchanged since before train.source existed, so older
+        offline runs still resume)."""
+        return {"hidden": self.manifest.get("fingerprint"), "data": self.shards.digest(), "samples": len(self.ids)}
+
+    def num_tokens(self) -> int:
+        return self.shards.num_tokens()
+
+    def token_pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for sid in self.ids:
+            s = self.shards.load(sid, names=("input_ids", "loss_mask"))
+            yield s["input_ids"], s["loss_mask"]
+
+    def aux_samples(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for sid in self.ids[:AUX_RMS_SAMPLES]:
+            s = self.shards.load(sid, names=("aux", "loss_mask"))
+            yield s["aux"], s["loss_mask"]
+
+    def dataset(self, target: TargetHead, matmul_dtype: torch.dtype, on_prompt: bool) -> ShardDataset:
+        """The samples with their teacher argmax, computed here once (the full-vocab lm_head on the device
+        only meanwhile)."""
+        head = target.lm_head.to(self.device, matmul_dtype)
+        argmax = precompute_argmax(self.shards, head, self.max_len, on_prompt)
+        return ShardDataset(self.shards, self.ids, self.max_len, {"argmax": argmax})
+
+    def complete(self, batch: dict) -> dict:
+        return batch  # the shards hold aux and final; the argmax was precomputed
+
+    def where(self, ids: list[str]) -> str:
+        return f"{self.dir} {sorted({self.shards.rows[i]['shard'] for i in ids})}"
 
 
 def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on_prompt: bool) -> dict[str, torch.Tensor]:
@@ -55,30 +119,30 @@ def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, group
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
-def aux_rms(shards: HiddenShards, max_samples: int = 128) -> torch.Tensor:
-    """Per-feature RMS of aux [3H] over assistant positions (where massive-activation sink tokens,
-    e.g. the first token, are rare) of the first max_samples samples."""
+def aux_rms(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], where: str) -> torch.Tensor:
+    """Per-feature RMS of aux [3H] over the assistant positions (where massive-activation sink tokens,
+    e.g. the first token, are rare) of (aux [T,3H], loss_mask [T]) pairs: the first AUX_RMS_SAMPLES
+    samples, from shards or from online captures. where: what the samples are, for the error."""
     total, count = None, 0
-    for sid in shards.ids[:max_samples]:
-        s = shards.load(sid, names=("aux", "loss_mask"))
-        a = s["aux"][s["loss_mask"].bool()].float()
+    for aux, loss_mask in samples:
+        a = aux[loss_mask.bool()].float()
         total = a.pow(2).sum(0) if total is None else total + a.pow(2).sum(0)
         count += a.shape[0]
     if not count:
-        raise UserError(f"{shards.dir}: no assistant tokens in the first {max_samples} samples")
+        raise UserError(f"{where}: no assistant tokens in the first {AUX_RMS_SAMPLES} samples")
     return (total / count).sqrt().clamp(min=1e-3)
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, loss_mask, valid (1 on real tokens) [B,T], the samples' ids, and
+    whichever of aux [B,T,3H] / final [B,T,H] (fp32) / argmax [B,T] the samples carry."""
     t = max(s["input_ids"].numel() for s in samples)
     b = len(samples)
-    out = {
-        "input_ids": torch.zeros(b, t, dtype=torch.long),
-        "loss_mask": torch.zeros(b, t, dtype=torch.uint8),
-        "valid": torch.zeros(b, t, dtype=torch.uint8),  # 1 on real tokens, 0 on padding
-        "aux": torch.zeros(b, t, samples[0]["aux"].shape[-1]),
-        "final": torch.zeros(b, t, samples[0]["final"].shape[-1]),
-    }
+    out = {"input_ids": torch.zeros(b, t, dtype=torch.long), "loss_mask": torch.zeros(b, t, dtype=torch.uint8),
+           "valid": torch.zeros(b, t, dtype=torch.uint8)}
+    for name in ("aux", "final"):
+        if name in samples[0]:
+            out[name] = torch.zeros(b, t, samples[0][name].shape[-1])
     if "argmax" in samples[0]:
         out["argmax"] = torch.zeros(b, t, dtype=torch.long)
     out["ids"] = [s["id"] for s in samples]  # named when a batch goes wrong (non-finite loss)
@@ -87,8 +151,7 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         out["input_ids"][i, :n] = s["input_ids"].long()
         out["loss_mask"][i, :n] = s["loss_mask"]
         out["valid"][i, :n] = 1
-        out["aux"][i, :n] = s["aux"].float()
-        out["final"][i, :n] = s["final"].float()
-        if "argmax" in s:
-            out["argmax"][i, :n] = s["argmax"]
+        for name in ("aux", "final", "argmax"):
+            if name in s:
+                out[name][i, :n] = s[name]
     return out

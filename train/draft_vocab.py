@@ -5,18 +5,19 @@ d2t[i] = target_id(i) - i (SGLang builds hot ids as d2t + arange); t2d = bool ma
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from core.errors import UserError
-from core.hidden_shards import HiddenShards
 
 
-def token_counts(shards: HiddenShards, vocab_size: int) -> torch.Tensor:
+def token_counts(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> torch.Tensor:
+    """Counts of each target id at loss-masked positions over (input_ids [T], loss_mask [T]) pairs: the
+    samples' full lengths, whether they come from hidden shards or straight from the conversations."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for sid in shards.ids:
-        s = shards.load(sid, names=("input_ids", "loss_mask"))
-        ids = s["input_ids"][s["loss_mask"].bool()].long()
-        counts += torch.bincount(ids, minlength=vocab_size)
+    for input_ids, loss_mask in samples:
+        counts += torch.bincount(input_ids[loss_mask.bool()].long(), minlength=vocab_size)
     return counts
 
 

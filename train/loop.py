@@ -1,11 +1,12 @@
-"""Train an EAGLE-3 drafter on hidden-state shards; one Accelerate loop for 1 CPU or N GPUs.
+"""Train an EAGLE-3 drafter on hidden-state shards (or online captures); one Accelerate loop for 1 CPU or N GPUs.
 
     python -m train --config configs/smollm2-135m-instruct.yaml              # one process
     accelerate launch --config_file scripts/accelerate/multi_gpu.yaml -m train --config ...
     accelerate launch --config_file scripts/accelerate/deepspeed_zero2.yaml -m train --config ...
 
-Reads <run>/hidden, writes <run>/train (checkpoints, metrics.jsonl, W&B offline run, curves.png)
-and the SGLang-format drafter to <run>/drafter. A rerun resumes from the latest checkpoint.
+Reads <run>/hidden (train.source=online: <run>/conversations, captured by the target; train/online.py),
+writes <run>/train (checkpoints, metrics.jsonl, W&B offline run, curves.png) and the SGLang-format
+drafter to <run>/drafter. A rerun resumes from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from core.atomic_io import append_jsonl, atomic_write_json, atomic_write_text, h
 from core.config import RunConfig, to_dict
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.errors import UserError
-from core.hidden_shards import HiddenShards
-from core.manifest import check_compat, open_stage_dir, read_manifest, write_manifest
+from core.manifest import open_stage_dir, write_manifest
 from core.stage_lock import stage_lock
 from core.target import TargetHead, load_target_embeddings, read_target_config, resolve_precision, target_info
-from train.data import ShardDataset, aux_rms, collate, length_grouped_batches, precompute_argmax
+from train.data import ShardSource, aux_rms, collate, length_grouped_batches
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
+from train.online import OnlineSource
 from train.plots import plot_curves
 from train.tau_probe import TauProbe
 from train.ttt_loss import TTTObjective, step_metrics, teacher_targets
@@ -67,12 +68,11 @@ def frozen_to_matmul_dtype(drafter: Eagle3Drafter, precision: str) -> None:
         drafter.embed_tokens.to(torch.bfloat16)
 
 
-def stop_if_not_finite(x: torch.Tensor, what: str, step: int, epoch: int, ids: list[str], shards: HiddenShards):
+def stop_if_not_finite(x: torch.Tensor, what: str, step: int, epoch: int, ids: list[str], source):
     """Training on NaN/inf silently ruins every weight: stop at the first, naming the batch's samples."""
     if not torch.isfinite(x).all():
-        where = sorted({shards.rows[i]["shard"] for i in ids})
         raise UserError(f"non-finite {what} ({x.item()}) at step {step} (epoch {epoch}) on samples {ids} of "
-                        f"{shards.dir} {where}: check those samples, or lower train.lr; nothing was exported")
+                        f"{source.where(ids)}: check those samples, or lower train.lr; nothing was exported")
 
 
 def lr_lambda(total_steps: int, warmup: int):
@@ -129,19 +129,19 @@ def log_metrics(accelerator: Accelerator, metrics_path: Path, step: int, epoch: 
     return row
 
 
-# how the step is computed, not what it computes: a run may resume with other values
-SETTINGS_EXCLUDED = ("log_every", "save_every", "wandb_mode", "wandb_project", "mixed_precision", "attention",
-                     "loss_chunk", "compile", "activation_checkpointing", "tau_every", "tau_prompts",
+SOURCES = {"offline": ShardSource, "online": OnlineSource}  # train/data.py: what a source gives the loop
+# how the step is computed, not what it computes: a run may resume with other values (source: its own keys)
+SETTINGS_EXCLUDED = ("source", "log_every", "save_every", "wandb_mode", "wandb_project", "mixed_precision",
+                     "attention", "loss_chunk", "compile", "activation_checkpointing", "tau_every", "tau_prompts",
                      "tau_new_tokens")
 
 
-def training_settings(cfg: RunConfig, hidden_manifest: dict, shards: HiddenShards, world_size: int,
-                      precision: str) -> dict:
+def training_settings(cfg: RunConfig, source, world_size: int, precision: str) -> dict:
     """What shapes the drafter: a rerun resumes a checkpoint only when these are the same (the data
-    included: grown or re-extracted shards train anew), so the drafter never mixes two runs."""
+    included: grown or re-extracted data trains anew; `source.settings()`), so the drafter never mixes two runs."""
     tc = to_dict(cfg.train)
-    return {"hidden": hidden_manifest.get("fingerprint"), "data": shards.digest(), "samples": len(shards),
-            "seed": cfg.seed, "target.model": cfg.target.model, "world_size": world_size, "precision": precision,
+    return {**source.settings(), "seed": cfg.seed, "target.model": cfg.target.model, "world_size": world_size,
+            "precision": precision,
             **{f"train.{k}": v for k, v in tc.items() if k not in SETTINGS_EXCLUDED}}
 
 
@@ -197,11 +197,11 @@ def step_options(tc, device: torch.device) -> dict:
             "checkpoint": tc.activation_checkpointing}
 
 
-def open_run(cfg: RunConfig, accelerator: Accelerator, hm: dict, shards: HiddenShards, fresh: bool):
+def open_run(cfg: RunConfig, accelerator: Accelerator, source, fresh: bool):
     """Log where this run trains, and (main process) ready train/ and drafter/ for its settings."""
     train_dir, out = cfg.run_path / "train", cfg.run_path / "drafter"
     precision = accelerator.mixed_precision
-    settings = training_settings(cfg, hm, shards, accelerator.num_processes, precision)
+    settings = training_settings(cfg, source, accelerator.num_processes, precision)
     runtime = {"world_size": accelerator.num_processes, "device": str(accelerator.device),
                "distributed": str(accelerator.distributed_type), "torch_threads": torch.get_num_threads()}
     log.info("world size %d (%s), device %s, %d torch threads per process, precision %s",
@@ -212,11 +212,11 @@ def open_run(cfg: RunConfig, accelerator: Accelerator, hm: dict, shards: HiddenS
         if fresh and out.exists():
             shutil.rmtree(out)
         write_manifest(train_dir, "train", cfg, {"target": cfg.target.model}, {"status": "in progress"},
-                       {"hidden": str(cfg.run_path / "hidden")}, settings, {"runtime": runtime})
+                       source.inputs, settings, {"runtime": runtime})
     return settings, runtime
 
 
-def export(cfg: RunConfig, drafter: Eagle3Drafter, hm: dict, step: int, coverage: float, settings: dict,
+def export(cfg: RunConfig, drafter: Eagle3Drafter, source, step: int, coverage: float, settings: dict,
            runtime: dict) -> None:
     """The SGLang-format drafter, curves.png, and the manifests of drafter/ and train/."""
     train_dir, out = cfg.run_path / "train", cfg.run_path / "drafter"
@@ -224,15 +224,16 @@ def export(cfg: RunConfig, drafter: Eagle3Drafter, hm: dict, step: int, coverage
     rows = read_jsonl(train_dir / "metrics.jsonl")
     plot_curves(rows, train_dir / "curves.png")
     last = (rows or [{}])[-1]
-    compat = {key: hm["compat"][key] for key in ("target", "hidden_size", "vocab_size", "aux_layers")}
+    compat = {key: source.compat[key] for key in ("target", "hidden_size", "vocab_size", "aux_layers")}
     counts = {"steps": step, "draft_vocab_coverage": coverage, "final_metrics": last}
     for d in (out, train_dir):
-        write_manifest(d, "train", cfg, compat, counts, {"hidden": str(cfg.run_path / "hidden")}, settings,
-                       {"runtime": runtime})
+        write_manifest(d, "train", cfg, compat, counts, source.inputs, settings, {"runtime": runtime})
     log.info("drafter exported to %s (final %s)", out, {k: round(v, 4) for k, v in last.items()})
 
 
 def main(cfg: RunConfig, fresh: bool = False) -> Path:
+    if cfg.train.source not in SOURCES:
+        raise UserError(f"train.source = {cfg.train.source!r}: must be one of {' | '.join(SOURCES)}")
     train_dir = cfg.run_path / "train"
     accelerator = make_accelerator(cfg, train_dir)
     with stage_lock(train_dir, "train") if accelerator.is_main_process else nullcontext():
@@ -241,31 +242,24 @@ def main(cfg: RunConfig, fresh: bool = False) -> Path:
 
 def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool) -> Path:
     tc = cfg.train
-    hidden_dir, out = cfg.run_path / "hidden", cfg.run_path / "drafter"
-    hm = read_manifest(hidden_dir, "extract")
-    check_compat(hm, {"target": cfg.target.model}, hidden_dir)
-    precision = accelerator.mixed_precision
-    shards = HiddenShards(hidden_dir)
-    if tc.loss_on_prompt and not shards.final_everywhere:  # before anything is written
-        raise UserError(f"train.loss_on_prompt needs final rows on every token, but {hidden_dir} was extracted "
-                        "with extract.spans=loss: re-extract with extract.spans=all or set train.loss_on_prompt=false")
-    settings, runtime = open_run(cfg, accelerator, hm, shards, fresh)
+    out, precision = cfg.run_path / "drafter", accelerator.mixed_precision
+    source = SOURCES[tc.source](cfg, accelerator.device)
+    settings, runtime = open_run(cfg, accelerator, source, fresh)
     accelerator.wait_for_everyone()
     set_seed(cfg.seed)
     target = load_target_embeddings(cfg)
-    draft_ids, t2d, coverage = build_draft_vocab(token_counts(shards, target.embed.shape[0]), tc.draft_vocab_size)
-    log.info("%d samples / %d tokens; draft vocab %d covers %.2f%% of assistant tokens",
-             len(shards), shards.num_tokens(), draft_ids.numel(), 100 * coverage)
-    drafter = build_drafter(cfg, hm["compat"]["aux_layers"], draft_ids, t2d, target, aux_rms(shards))
+    draft_ids, t2d, coverage = build_draft_vocab(token_counts(source.token_pairs(), target.embed.shape[0]),
+                                                 tc.draft_vocab_size)
+    log.info("%d samples / %d tokens (train.source=%s); draft vocab %d covers %.2f%% of assistant tokens",
+             len(source.ids), source.num_tokens(), tc.source, draft_ids.numel(), 100 * coverage)
+    drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target,
+                            aux_rms(source.aux_samples(), str(source.dir)))
     frozen_to_matmul_dtype(drafter, precision)
     aux_scale = drafter.aux_scale.to(accelerator.device)
     matmul_dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # bf16 is ~2.7x faster where native
-    argmax = precompute_argmax(shards, target.lm_head.to(accelerator.device, matmul_dtype), tc.max_len,
-                               tc.loss_on_prompt)
+    ds = source.dataset(target, matmul_dtype, tc.loss_on_prompt)
     draft_head = target.lm_head[draft_ids].to(accelerator.device, matmul_dtype)  # [Vd,H]: the teacher's rows
     t2d_dev = t2d.to(accelerator.device)
-    ds = ShardDataset(shards, shards.ids, tc.max_len, {"argmax": argmax})
-    lengths = [min(shards.rows[i]["length"], tc.max_len) for i in shards.ids]
     steps_per_epoch = math.ceil(len(ds) / (tc.batch_size * accelerator.num_processes * tc.grad_accum))
     total_steps = steps_per_epoch * tc.epochs
     objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, **step_options(tc, accelerator.device))
@@ -285,10 +279,11 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     probe = TauProbe(cfg)
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     for epoch in range(start_epoch, tc.epochs):
-        dl = epoch_loader(ds, lengths, cfg, epoch, accelerator)
+        dl = epoch_loader(ds, source.lengths, cfg, epoch, accelerator)
         if skip:
             dl = accelerator.skip_first_batches(dl, skip)
         for i, batch in enumerate(dl, start=skip):
+            batch = source.complete(batch)  # online: the target's captures of this batch
             with accelerator.accumulate(objective):
                 mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
                 teacher = teacher_targets(batch["final"], mask, draft_head, t2d_dev, batch["argmax"])
@@ -296,13 +291,13 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
                 if tc.aux_noise:  # in units of each feature's RMS (the drafter divides aux by aux_scale)
                     aux = aux + (torch.rand_like(aux) * 2 - 1) * tc.aux_noise * aux_scale
                 loss, m = objective(aux, batch["input_ids"], mask, teacher)
-                stop_if_not_finite(loss, "loss", step + 1, epoch, batch["ids"], shards)
+                stop_if_not_finite(loss, "loss", step + 1, epoch, batch["ids"], source)
                 window = m if window is None else {k: window[k] + v for k, v in m.items()}
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     norm = accelerator.clip_grad_norm_(objective.parameters(), tc.grad_clip)
                     if norm is not None:
-                        stop_if_not_finite(norm, "gradient norm", step + 1, epoch, batch["ids"], shards)
+                        stop_if_not_finite(norm, "gradient norm", step + 1, epoch, batch["ids"], source)
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
@@ -325,5 +320,5 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     bar.close()
     accelerator.end_training()
     if accelerator.is_main_process:
-        export(cfg, accelerator.unwrap_model(objective).drafter, hm, step, coverage, settings, runtime)
+        export(cfg, accelerator.unwrap_model(objective).drafter, source, step, coverage, settings, runtime)
     return out

@@ -1,0 +1,140 @@
+"""train.source=online: the target captures each batch in the training process, no shards on disk.
+
+On the same conversations with the same seed, online training must train the drafter offline training
+trains on fp32 shards (extract.dtype=float32: bf16 shards would round aux/final, online captures are
+not rounded), because both capture with core/hidden_capture.py and feed the same collate/teacher/TTT
+path. Tiny random target, CPU, stages in-process.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core.config import load_config
+from core.errors import UserError
+from core.target import load_target_embeddings
+from tests.conftest import ROOT
+from train.data import ShardSource, collate
+from train.online import OnlineSource
+
+# fp32 everywhere, so the two modes compute the same numbers; lr/epochs so that acc_0 rises well above 0
+SETTINGS = ["extract.dtype=float32", "extract.mixed_precision=no", "train.mixed_precision=no",
+            "train.wandb_mode=disabled", "train.epochs=6", "train.lr=3e-3"]
+
+
+def tiny(run_dir, *extra):
+    return load_config(ROOT / "configs/tiny-random-llama.yaml", [f"run_dir={run_dir}", *SETTINGS, *extra])
+
+
+def metrics(cfg) -> list[dict]:
+    return [json.loads(x) for x in (cfg.run_path / "train/metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """-> (offline cfg, online cfg): one data_gen, extract for the offline run only, both trained."""
+    from data_gen.generate import main as generate
+    from extract.run import main as extract
+    from train.loop import main as train
+
+    root = tmp_path_factory.mktemp("online")
+    offline, online = tiny(root / "offline"), tiny(root / "online", "train.source=online")
+    generate(offline)
+    shutil.copytree(offline.run_path / "conversations", online.run_path / "conversations")
+    extract(offline)
+    train(offline)
+    train(online)
+    return offline, online
+
+
+def test_online_trains_the_same_drafter_as_offline(runs):
+    offline, online = runs
+    off, on = metrics(offline), metrics(online)
+    assert [r["step"] for r in on] == [r["step"] for r in off] == list(range(1, 19))
+    assert off[-1]["acc_0"] > 0.15, f"acc_0 {off[-1]['acc_0']}: too little learning for the comparison to mean much"
+    # the requirement: acc_0 within 2%; in fact the same math on the same tensors, step by step
+    assert abs(on[-1]["acc_0"] - off[-1]["acc_0"]) <= 0.02 * off[-1]["acc_0"]
+    for a, b in zip(off, on, strict=True):
+        for key in ("loss", "loss_0", "loss_2", "acc_0", "acc_1", "acc_2"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
+    w_off, w_on = (load_file(c.run_path / "drafter/model.safetensors") for c in (offline, online))
+    assert w_off.keys() == w_on.keys()
+    for name in w_off:  # d2t / t2d included: the same draft vocab, counted from the conversations
+        torch.testing.assert_close(w_on[name], w_off[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("on_prompt", [False, True])
+def test_an_online_batch_equals_the_same_batch_read_from_shards(runs, on_prompt):
+    """The captures themselves: aux (the layers!), final and the teacher argmax of the positions trained on."""
+    offline, online = runs
+    target = load_target_embeddings(offline)
+    cpu = torch.device("cpu")
+    shards, captures = ShardSource(offline, cpu), OnlineSource(online, cpu)
+    assert captures.ids == shards.ids and captures.lengths == shards.lengths
+    ds_off = shards.dataset(target, torch.float32, on_prompt)
+    ds_on = captures.dataset(target, torch.float32, on_prompt)
+    for batch_ids in ([0, 1, 2, 3], [5, 11, 7]):  # unequal lengths: right padding
+        want = collate([ds_off[i] for i in batch_ids])
+        got = captures.complete(collate([ds_on[i] for i in batch_ids]))
+        assert got["ids"] == want["ids"]
+        for key in ("input_ids", "loss_mask", "valid", "argmax"):
+            assert torch.equal(got[key], want[key]), key
+        for key in ("aux", "final"):  # fp32 rounding only: other padding, other matmul shapes (|aux| ~ 300 here)
+            scale = want[key].abs().max().item()
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6 * scale, msg=key)
+
+
+def test_online_writes_no_shards_and_records_its_source(runs):
+    offline, online = runs
+    assert not (online.run_path / "hidden").exists()
+    conv = json.loads((online.run_path / "conversations/manifest.json").read_text())
+    for d in ("train", "drafter"):
+        m = json.loads((online.run_path / d / "manifest.json").read_text())
+        assert m["settings"]["online"] == {"conversations": conv["fingerprint"], "aux_layers": [1, 2, 3],
+                                           "target.dtype": "float32", "capture_precision": "no"}
+        assert "hidden" not in m["settings"] and m["inputs"] == {"conversations": str(online.run_path / "conversations")}
+        assert m["compat"]["aux_layers"] == [1, 2, 3]
+    m = json.loads((offline.run_path / "train/manifest.json").read_text())
+    assert "online" not in m["settings"] and "hidden" in m["settings"]  # offline settings as before
+
+
+def test_switching_source_on_a_run_is_refused(runs):
+    from train.loop import main as train
+
+    offline, _ = runs
+    before = (offline.run_path / "drafter/model.safetensors").read_bytes()
+    with pytest.raises(UserError, match=r"other settings: .*online: None -> .*cannot be resumed"):
+        train(tiny(offline.run_path, "train.source=online"))
+    assert (offline.run_path / "drafter/model.safetensors").read_bytes() == before
+    with pytest.raises(UserError, match=r"train.source = 'shards': must be one of offline \| online"):
+        train(tiny(offline.run_path, "train.source=shards"))
+
+
+def test_online_resumes_after_a_crash_to_the_same_drafter(runs, tmp_path, monkeypatch):
+    """A crash mid-epoch after a checkpoint, then a rerun: the drafter of an uninterrupted run."""
+    from train.loop import main as train
+
+    _, online = runs
+    cfg = tiny(tmp_path / "run", "train.source=online", "train.save_every=4")
+    shutil.copytree(online.run_path / "conversations", cfg.run_path / "conversations")
+    complete, calls = OnlineSource.complete, []
+
+    def crash_at_step_7(self, batch):
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt("killed")
+        return complete(self, batch)
+
+    monkeypatch.setattr(OnlineSource, "complete", crash_at_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    assert json.loads((cfg.run_path / "train/checkpoints/latest.json").read_text())["step"] == 4
+    monkeypatch.setattr(OnlineSource, "complete", complete)
+    train(cfg)
+    assert [r["step"] for r in metrics(cfg)] == list(range(1, 19))
+    want, got = (load_file(c.run_path / "drafter/model.safetensors") for c in (online, cfg))
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
