@@ -276,7 +276,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
         accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg), init_kwargs={
             "wandb": {"dir": str(train_dir), "name": cfg.name, "mode": tc.wandb_mode}})
     window = None  # per-step loss / accuracy sums of the micro-batches since the last log line
-    probe = TauProbe(cfg)
+    probe = TauProbe(cfg, source.model if tc.source == "online" and tc.tau_every else None)  # one target copy
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     for epoch in range(start_epoch, tc.epochs):
         dl = epoch_loader(ds, source.lengths, cfg, epoch, accelerator)

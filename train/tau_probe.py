@@ -4,7 +4,7 @@ Training accuracy can be high while serving accepts almost nothing (the field's 
 complaint); a τ curve beside loss_k / acc_k shows that while the run goes. Same code as eval's hf
 engine: `speculative_generate` at T=0 with a chain of K = eval.draft_steps, on the first
 train.tau_prompts of eval's prompts (held-out ShareGPT by default), train.tau_new_tokens each. The target is
-loaded on the first measurement, on the main process only.
+loaded on the first measurement, on the main process only (online training's own copy where it has one).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from core.chat import eval_prompt_ids
 from core.config import RunConfig
 from core.decode import acceptance_length, speculative_generate
 from core.drafter import Eagle3Drafter
-from core.target import end_of_turn_ids, load_target
+from core.target import end_of_turn_ids, load_target, load_tokenizer
 
 
 class TauProbe:
-    def __init__(self, cfg: RunConfig):
-        self.cfg, self.model = cfg, None
+    def __init__(self, cfg: RunConfig, model=None):
+        self.cfg, self.model, self.items = cfg, model, None
 
     def due(self, step: int, total_steps: int) -> bool:
         every = self.cfg.train.tau_every
@@ -34,8 +34,9 @@ class TauProbe:
 
     @torch.no_grad()
     def __call__(self, drafter: Eagle3Drafter) -> float:
-        if self.model is None:
-            self.model, tok = load_target(self.cfg)
+        if self.items is None:
+            self.model = self.model or load_target(self.cfg)[0]
+            tok = load_tokenizer(self.cfg)
             self.stop = end_of_turn_ids(tok, self.model.generation_config)
             self.items = eval_prompt_ids(self.cfg, tok, limit=self.cfg.train.tau_prompts)
         with torch.random.fork_rng(devices=[]):  # building the copy draws init weights: keep training's RNG stream
