@@ -55,13 +55,16 @@ def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, group
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
-def aux_rms(shards: HiddenShards, max_samples: int = 128) -> torch.Tensor:
-    """Per-feature RMS of aux [3H] over assistant positions (where massive-activation sink tokens,
-    e.g. the first token, are rare) of the first max_samples samples."""
+@torch.no_grad()
+def aux_rms(shards: HiddenShards, norm=None, max_samples: int = 128) -> torch.Tensor:
+    """Per-feature RMS of aux [3H] (of norm(aux) when a norm is given: fc's input with norm_before_fc)
+    over assistant positions (where massive-activation sink tokens, e.g. the first token, are rare)
+    of the first max_samples samples."""
     total, count = None, 0
     for sid in shards.ids[:max_samples]:
         s = shards.load(sid, names=("aux", "loss_mask"))
         a = s["aux"][s["loss_mask"].bool()].float()
+        a = a if norm is None else norm(a)
         total = a.pow(2).sum(0) if total is None else total + a.pow(2).sum(0)
         count += a.shape[0]
     if not count:

@@ -53,7 +53,7 @@ def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, target:
         vocab_size=tc.vocab_size, draft_vocab_size=draft_ids.numel(), target_hidden_size=tc.hidden_size,
         aux_layers=aux_layers, target_model_type=tc.model_type, rms_norm_eps=tc.rms_norm_eps,
         rope_theta=float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
-        max_position_embeddings=tc.max_position_embeddings)
+        max_position_embeddings=tc.max_position_embeddings, norm_before_fc=cfg.train.norm_before_fc)
     d = Eagle3Drafter(c)
     with torch.no_grad():
         d.embed_tokens.weight.copy_(target.embed)
@@ -235,8 +235,11 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     draft_ids, t2d, coverage = build_draft_vocab(token_counts(shards, target.embed.shape[0]), tc.draft_vocab_size)
     log.info("%d samples / %d tokens; draft vocab %d covers %.2f%% of assistant tokens",
              len(shards), shards.num_tokens(), draft_ids.numel(), 100 * coverage)
-    drafter = build_drafter(cfg, hm["compat"]["aux_layers"], draft_ids, t2d, target, aux_rms(shards))
-    aux_scale = drafter.aux_scale.to(accelerator.device)
+    drafter = build_drafter(cfg, hm["compat"]["aux_layers"], draft_ids, t2d, target)
+    raw_rms = aux_rms(shards)  # per aux feature; the preconditioner is measured on fc's input (core/drafter.py)
+    with torch.no_grad():
+        drafter.aux_scale.copy_(raw_rms if drafter.input_norm is None else aux_rms(shards, drafter.input_norm))
+    raw_rms = raw_rms.to(accelerator.device)
     head = target.lm_head.to(accelerator.device)  # [V,H] fp32
     argmax_head = head.bfloat16() if precision == "bf16" else head  # argmax only: bf16 is ~2.7x faster
     draft_ids_dev, t2d_dev = draft_ids.to(accelerator.device), t2d.to(accelerator.device)
@@ -270,8 +273,8 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
                 mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
                 teacher = teacher_targets(batch["final"], mask, head, draft_ids_dev, t2d_dev, batch["argmax"])
                 aux = batch["aux"]
-                if tc.aux_noise:  # in units of each feature's RMS (the drafter divides aux by aux_scale)
-                    aux = aux + (torch.rand_like(aux) * 2 - 1) * tc.aux_noise * aux_scale
+                if tc.aux_noise:  # in units of each raw aux feature's RMS
+                    aux = aux + (torch.rand_like(aux) * 2 - 1) * tc.aux_noise * raw_rms
                 loss, m = objective(aux, batch["input_ids"], mask, teacher)
                 stop_if_not_finite(loss, "loss", step + 1, epoch, batch["ids"], shards)
                 window = m if window is None else {k: window[k] + v for k, v in m.items()}
