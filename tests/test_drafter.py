@@ -9,8 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from core.drafter import DraftCache, DrafterConfig, Eagle3Drafter
-from tests.sglang_source import (check_drafter_tensor_names, run_sglang_load_weights, sglang_capture_layers,
-                                 sglang_norm_before_fc)
+from tests.sglang_source import (
+    check_drafter_tensor_names,
+    run_sglang_load_weights,
+    sglang_capture_layers,
+    sglang_norm_before_fc,
+)
 from train.draft_vocab import build_draft_vocab, d2t_offsets
 from train.ttt_loss import TTTObjective, step_metrics, teacher_targets, ttt_loss
 
