@@ -110,6 +110,9 @@ class TrainConfig:
     aux_noise: float = _f(0.0, "uniform noise U(-a, a) added to the RMS-normalised aux features while training "
                                "(EAGLE's feature-noise regulariser against memorising small data)", ge=0)
     loss_on_prompt: bool = _f(False, "also distill the target's predictions at prompt positions (more signal per sample)")
+    norm_before_fc: bool = _f(False, "EAGLE-3.1: an RMSNorm (weight input_norm, eps rms_norm_eps) over the concatenated "
+                                     "[3H] aux features before fc; exported as config.json norm_before_fc, which "
+                                     "SGLang 0.5.23 and llama.cpp b11434 read")
     init_lm_head_from_target: bool = _f(True, "start lm_head (and norm) from the target's rows of the draft vocab")
     freeze_lm_head: bool = _f(False, "keep that lm_head fixed (fewer trainable parameters for small data)")
     wandb_mode: str = _f("offline", "offline | online | disabled")

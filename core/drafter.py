@@ -4,6 +4,7 @@ Shapes: B batch, T tokens, H draft hidden (= target hidden), Ht target hidden, V
 Vd draft vocab, nh/nkv heads, d head dim.
 
     g        = fc(aux)                                   # [B,T,3Ht] -> [B,T,H]; first step only
+             = fc(input_norm(aux))                       # with norm_before_fc (EAGLE-3.1)
     x        = cat(input_layernorm(embed(tok)), hidden_norm(g))       # [B,T,2H]
     h        = g + o_proj(attn(q, k, v of x))
     h2       = h + mlp(post_attention_layernorm(h))      # pre-norm output: the next step's input
@@ -11,8 +12,16 @@ Vd draft vocab, nh/nkv heads, d head dim.
 
 `aux_scale` is a fixed per-feature preconditioner for training only: target residual streams carry
 "massive activation" features (SmolLM2: RMS ~350 beside ~1), and with Adam's uniform step size
-fc's columns for them would move ~350x faster than the rest (no ablation measured yet). Training sees fc(aux / aux_scale); the export folds the scale into
-fc.weight, so the checkpoint has plain SGLang numerics.
+fc's columns for them would move ~350x faster than the rest (no ablation measured yet). Training sees
+fc(x / aux_scale), x = fc's input (aux, or input_norm(aux) with norm_before_fc); the export folds the
+scale into fc.weight (fc(x / s) = (W / s) x for any x), so the checkpoint has plain engine numerics.
+The scale sits after the norm, never before it: norm(aux / s) != norm(aux) / s for a per-feature s,
+so a scale inside the norm could not be folded into any exported weight.
+
+`norm_before_fc` (EAGLE-3.1): an RMSNorm over the concatenated [3Ht] aux, weight `input_norm.weight`,
+eps rms_norm_eps; the names SGLang 0.5.23 (`model.input_norm`) and llama.cpp b11434's converter
+(`input_norm.weight` -> `enc.output_norm.weight`) load, both switched on by config.json's top-level
+`norm_before_fc`.
 
 Attention is left to the caller (`qkv` / `finish`), because training (TTT diagonal mask,
 train/ttt_loss.py) and decoding (KV cache, `forward` below) attend differently.
@@ -54,9 +63,11 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
+    norm_before_fc: bool = False  # EAGLE-3.1: input_norm over the [3Ht] aux before fc
 
     @classmethod
-    def for_target(cls, tc: dict, aux_layers: list[int], draft_vocab_size: int) -> DrafterConfig:
+    def for_target(cls, tc: dict, aux_layers: list[int], draft_vocab_size: int,
+                   norm_before_fc: bool = False) -> DrafterConfig:
         """The drafter train builds for a target: one Llama layer of the target's width, heads and MLP
         (tc = core.target.read_target_config: a MoE target's `intermediate_size` is its dense MLP's)."""
         hidden, heads = tc["hidden_size"], tc["num_attention_heads"]
@@ -69,7 +80,8 @@ class DrafterConfig:
             aux_layers=list(aux_layers), target_model_type=tc["model_type"],
             rms_norm_eps=tc.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope.get("rope_theta") or tc.get("rope_theta") or 10000.0),
-            max_position_embeddings=tc.get("max_position_embeddings", 4096), hidden_act=tc.get("hidden_act", "silu"))
+            max_position_embeddings=tc.get("max_position_embeddings", 4096), hidden_act=tc.get("hidden_act", "silu"),
+            norm_before_fc=norm_before_fc)
 
     def to_sglang(self) -> dict:
         """config.json SGLang (LlamaForCausalLMEagle3) and vLLM read."""
@@ -94,6 +106,8 @@ class DrafterConfig:
         }
         if self.target_hidden_size != self.hidden_size:
             cfg["target_hidden_size"] = self.target_hidden_size
+        if self.norm_before_fc:  # top level: SGLang reads it there (or in eagle_config), llama.cpp only there
+            cfg["norm_before_fc"] = True
         return cfg
 
     @classmethod
@@ -112,6 +126,7 @@ class DrafterConfig:
                              "target: the engines would feed the drafter different layers")
         hidden = cfg["hidden_size"]
         rope = cfg.get("rope_parameters") or {}
+        norm_before_fc = read_norm_before_fc(cfg)
         return cls(
             hidden_size=hidden, intermediate_size=cfg["intermediate_size"],
             num_attention_heads=cfg["num_attention_heads"],
@@ -123,7 +138,28 @@ class DrafterConfig:
             target_model_type=target_model_type, rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            hidden_act=cfg.get("hidden_act", "silu"))
+            hidden_act=cfg.get("hidden_act", "silu"), norm_before_fc=norm_before_fc)
+
+
+# Variants SGLang 0.5.23 switches on from config.json that our drafter does not implement: loading such a
+# drafter into our engine would silently evaluate another model, so it is refused.
+_UNSUPPORTED_FLAGS = ("fc_norm", "use_aux_norm", "norm_output", "norm_before_residual")
+
+
+def read_norm_before_fc(cfg: dict) -> bool:
+    """norm_before_fc as the engines read it: SGLang takes eagle_config's key, else the top-level one;
+    llama.cpp's converter only the top-level one. A config where they disagree means two models."""
+    unsupported = [k for k in _UNSUPPORTED_FLAGS if cfg.get(k)]
+    if unsupported:
+        raise UserError(f"drafter config.json sets {unsupported}: an EAGLE-3 variant this project's drafter "
+                        "does not implement (only norm_before_fc is)")
+    nested = (cfg.get("eagle_config") or {}).get("norm_before_fc")
+    top = cfg.get("norm_before_fc")
+    if nested is not None and bool(nested) != bool(top):
+        raise UserError(f"drafter config.json: eagle_config.norm_before_fc = {nested} but the top-level "
+                        f"norm_before_fc = {top}: SGLang reads the first, llama.cpp only the second, so the "
+                        "engines would serve different models; set both to the same value")
+    return bool(top)
 
 
 class RMSNorm(nn.Module):
@@ -215,6 +251,8 @@ class Eagle3Drafter(nn.Module):
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.requires_grad_(False)  # the target's embedding, frozen
+        # EAGLE-3.1 only; absent otherwise, so a plain drafter exports no tensor an engine won't load
+        self.input_norm = RMSNorm(3 * c.target_hidden_size, c.rms_norm_eps) if c.norm_before_fc else None
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -228,7 +266,9 @@ class Eagle3Drafter(nn.Module):
         Returns q [B,nh,T,d], k/v [B,nkv,T,d] (RoPE applied) and the residual [B,T,H]."""
         c, layer = self.config, self.midlayer
         if hidden.shape[-1] == 3 * c.target_hidden_size and hidden.shape[-1] != c.hidden_size:
-            hidden = self.fc(hidden / self.aux_scale)
+            if self.input_norm is not None:
+                hidden = self.input_norm(hidden)
+            hidden = self.fc(hidden / self.aux_scale)  # aux_scale after the norm: see the module docstring
         x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], -1)
         b, t, _ = x.shape
         q = layer.self_attn.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)

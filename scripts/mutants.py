@@ -10,7 +10,7 @@ exit (a collection error says the mutant broke the import, not the behaviour), i
 Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, K1-K2 the two it
 found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S1-S2 and T1-T2 issue
 10's speculative sampling and draft trees, F1-F4 issue 13's fast TTT step (flex block mask, fused loss,
-checkpointing), O1-O4 issue 13's online training.
+checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ ALIGN = ("tests/test_draft_alignment.py",)
 RESUME = ("tests/test_resume.py",)
 SAMPLING = ("tests/test_speculative_modes.py::test_speculative_sampling_at_t1_keeps_the_target_distribution",)
 FAST = ("tests/test_ttt_fast_paths.py",)
+NORM_FC = ("tests/test_drafter.py",)
 TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_output",)
 ONLINE = ("tests/test_train_online.py",)
 MUTANTS = [
@@ -129,6 +130,19 @@ MUTANTS = [
     Mutant("N11", "atomic writes keep the writer's 0600 mode", "core/atomic_io.py",
            "        os.chmod(tmp, FILE_MODE)\n", "",
            ("tests/test_pipeline.py::test_outputs_are_readable_by_other_users",)),
+    Mutant("B1", "norm_before_fc not written to config.json", "core/drafter.py",
+           'cfg["norm_before_fc"] = True', "pass", NORM_FC),
+    Mutant("B2", "aux_scale applied before input_norm (cannot be folded into fc on export)", "core/drafter.py",
+           "                hidden = self.input_norm(hidden)\n            hidden = self.fc(hidden / self.aux_scale)",
+           "                hidden = self.input_norm(hidden / self.aux_scale)\n            hidden = self.fc(hidden)",
+           NORM_FC),
+    Mutant("B3", "the decode/TTT forward skips input_norm", "core/drafter.py",
+           "                hidden = self.input_norm(hidden)\n", "                pass\n", NORM_FC),
+    Mutant("B4", "from_pretrained ignores norm_before_fc", "core/drafter.py", "    return bool(top)", "    return False",
+           NORM_FC),
+    Mutant("B5", "convert_drafter does not check the GGUF's norm_before_fc", "eval/llamacpp.py",
+           "    if gguf_norm_before_fc(gguf) != want:", "    if False:",
+           ("tests/test_llamacpp_export.py::test_conversion_that_loses_norm_before_fc_is_refused",)),
 ]
 
 

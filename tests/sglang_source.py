@@ -130,17 +130,21 @@ _REQUIRED_ATTRS = [
 ]
 
 
-def sglang_eagle3_param_names(num_layers: int = 1) -> set[str]:
-    """Parameter names of LlamaForCausalLMEagle3 with default config flags.
+def sglang_eagle3_param_names(num_layers: int = 1, norm_before_fc: bool = False) -> set[str]:
+    """Parameter names of LlamaForCausalLMEagle3 with default config flags (plus `model.input_norm`
+    when norm_before_fc: see sglang_norm_before_fc for the flag itself).
 
-    Defaults: no fc_norm, no norm_before_fc, tie_word_embeddings false, no fc bias. Every module
-    attribute the names rely on is first verified to be assigned in the real source.
+    Defaults: no fc_norm, tie_word_embeddings false, no fc bias. Every module attribute the names
+    rely on is first verified to be assigned in the real source.
     """
-    missing = [f"{cls}.{attr} (sglang/{f})" for f, cls, attrs in _REQUIRED_ATTRS
+    required = _REQUIRED_ATTRS + ([(EAGLE3_FILE, "LlamaModel", {"input_norm"})] if norm_before_fc else [])
+    missing = [f"{cls}.{attr} (sglang/{f})" for f, cls, attrs in required
                for attr in sorted(attrs - _self_assigned(source_class(f, cls)))]
     if missing:
         raise AssertionError(f"SGLang {SGLANG_VERSION} source lacks `self.<attr> = ...` for: {missing}")
     names = {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight"}
+    if norm_before_fc:
+        names.add("model.input_norm.weight")
     for i in range(num_layers):
         p = f"model.layers.{i}."
         names |= {p + s for s in ("input_layernorm.weight", "hidden_norm.weight",
@@ -161,7 +165,28 @@ class _StandInParam:
         self._calls.append((param.name, shard_id, tuple(loaded_weight.shape)))
 
 
-def run_sglang_load_weights(tensors: dict[str, torch.Tensor], num_layers: int = 1) -> dict:
+def sglang_norm_before_fc(config: dict) -> bool:
+    """Whether SGLang builds its input_norm for this drafter config.json: the real LlamaModel.__init__
+    statements that assign `eagle_config` and `self.norm_before_fc`, run on a stand-in config (SGLang's
+    LlamaConfig exposes config.json's top-level keys as attributes)."""
+    init = source_method(EAGLE3_FILE, "LlamaModel", "__init__")
+
+    def assigns(node, name):
+        return isinstance(node, ast.Assign) and any(
+            ast.unparse(t) == name for t in node.targets)
+
+    picked = [n for n in init.body if assigns(n, "eagle_config") or assigns(n, "self.norm_before_fc")]
+    if [ast.unparse(n.targets[0]) for n in picked] != ["eagle_config", "self.norm_before_fc"]:
+        raise AssertionError(f"LlamaModel.__init__ in sglang/{EAGLE3_FILE} no longer assigns eagle_config, then "
+                             "self.norm_before_fc: re-read how SGLang switches norm_before_fc on")
+    stand_in = types.SimpleNamespace()
+    namespace = {"config": types.SimpleNamespace(**config), "self": stand_in}
+    exec(compile(ast.Module(body=picked, type_ignores=[]), str(sglang_root() / EAGLE3_FILE), "exec"), namespace)
+    return stand_in.norm_before_fc
+
+
+def run_sglang_load_weights(tensors: dict[str, torch.Tensor], num_layers: int = 1,
+                            norm_before_fc: bool = False) -> dict:
     """Run the real LlamaForCausalLMEagle3.load_weights body over `tensors`.
 
     Returns {"loaded": {param: [shard ids or None]}, "ignored": [input names the loader dropped],
@@ -176,7 +201,7 @@ def run_sglang_load_weights(tensors: dict[str, torch.Tensor], num_layers: int = 
                  "List": List, "default_weight_loader": default_weight_loader}
     load_weights = _compile_method(EAGLE3_FILE, "LlamaForCausalLMEagle3", "load_weights", namespace)
 
-    params = {n: _StandInParam(n, calls) for n in sorted(sglang_eagle3_param_names(num_layers))}
+    params = {n: _StandInParam(n, calls) for n in sorted(sglang_eagle3_param_names(num_layers, norm_before_fc))}
     stand_in_self = types.SimpleNamespace(named_parameters=lambda: iter(params.items()), hot_token_id=None)
 
     per_input: dict[str, list] = {}
@@ -202,16 +227,17 @@ def run_sglang_load_weights(tensors: dict[str, torch.Tensor], num_layers: int = 
             "calls": records}
 
 
-def check_drafter_tensor_names(tensors: dict[str, torch.Tensor], num_layers: int = 1) -> list[str]:
+def check_drafter_tensor_names(tensors: dict[str, torch.Tensor], num_layers: int = 1,
+                               norm_before_fc: bool = False) -> list[str]:
     """Problems SGLang's real loader would hit with these tensor names; [] means OK.
 
     The loader never complains itself: an unknown name is dropped and the parameter keeps its
     random init, so serving runs with a broken drafter. This turns that into a list of errors.
     """
-    result = run_sglang_load_weights(tensors, num_layers)
+    result = run_sglang_load_weights(tensors, num_layers, norm_before_fc)
     loaded = result["loaded"]
     problems = [f"{n}: ignored by SGLang's load_weights (no such parameter)" for n in result["ignored"]]
-    for param in sorted(sglang_eagle3_param_names(num_layers) - FROM_TARGET):
+    for param in sorted(sglang_eagle3_param_names(num_layers, norm_before_fc) - FROM_TARGET):
         if param not in loaded:
             problems.append(f"{param}: never loaded (stays randomly initialised)")
     expected_shards = {"qkv_proj.weight": ["k", "q", "v"], "gate_up_proj.weight": [0, 1]}

@@ -1,6 +1,7 @@
 """Drafter shapes, overfitting one batch, the metric sums, and the SGLang export format (TTT == decode-time
 drafting is proven through the production functions in test_draft_alignment.py)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from core.drafter import DraftCache, DrafterConfig, Eagle3Drafter
-from tests.sglang_source import check_drafter_tensor_names, run_sglang_load_weights, sglang_capture_layers
+from tests.sglang_source import (
+    check_drafter_tensor_names,
+    run_sglang_load_weights,
+    sglang_capture_layers,
+    sglang_norm_before_fc,
+)
 from train.draft_vocab import build_draft_vocab, d2t_offsets
 from train.ttt_loss import TTTObjective, step_metrics, teacher_argmax, teacher_targets, ttt_loss
 
@@ -131,4 +137,71 @@ def test_from_pretrained_rejects_tied_head(tmp_path):
     cfg["tie_word_embeddings"] = True
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="tie_word_embeddings must be false"):
+        Eagle3Drafter.from_pretrained(tmp_path, d.embed_tokens.weight.data, "llama", 8)
+
+
+def make_norm_before_fc_drafter() -> Eagle3Drafter:
+    """An EAGLE-3.1 drafter whose input_norm weight and aux_scale are far from 1 (neither is an identity)."""
+    d = make_drafter()
+    n = Eagle3Drafter(dataclasses.replace(d.config, norm_before_fc=True))
+    n.load_state_dict(d.state_dict(), strict=False)
+    with torch.no_grad():
+        n.input_norm.weight.copy_(torch.rand(3 * H) * 3 + 0.2)
+    return n
+
+
+def massive_aux(seed=2) -> torch.Tensor:
+    """Aux like a target's residual streams: most features ~1, a few ~100 (massive activations)."""
+    aux = batch(seed)[0] * 2
+    aux[..., [3, H + 7, 2 * H + 1]] *= 100
+    return aux
+
+
+def test_norm_before_fc_round_trip(tmp_path):
+    """Export -> reload gives the trained drafter's logits: input_norm travels, aux_scale folds into fc
+    (not into the norm: norm(x/s) != norm(x)/s), and the reloaded drafter applies the norm before fc."""
+    d = make_norm_before_fc_drafter()
+    d.save_pretrained(tmp_path)
+    d2 = Eagle3Drafter.from_pretrained(tmp_path, d.embed_tokens.weight.data, "llama", 8)
+    assert d2.config.norm_before_fc and d2.input_norm is not None and torch.equal(d2.aux_scale, torch.ones(3 * H))
+    _, ids, _, _ = batch()
+    aux, pos = massive_aux(), torch.arange(T)[None].expand(B, T)
+    with torch.no_grad():
+        a, _ = d(aux, ids, pos, DraftCache(T))
+        b, _ = d2(aux, ids, pos, DraftCache(T))
+        plain = Eagle3Drafter(dataclasses.replace(d2.config, norm_before_fc=False))
+        plain.load_state_dict({k: v for k, v in d2.state_dict().items() if k != "input_norm.weight"})
+        c, _ = plain(aux, ids, pos, DraftCache(T))
+    torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)  # bf16 export
+    assert (a - c).abs().max() > 1.0, "the norm must matter on this aux, or the round trip proves nothing"
+
+
+def test_norm_before_fc_export_is_what_sglang_loads(tmp_path):
+    d = make_norm_before_fc_drafter()
+    d.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["norm_before_fc"] is True and sglang_norm_before_fc(cfg)  # SGLang's own __init__ lines
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert tensors["input_norm.weight"].shape == (3 * H,)
+    assert check_drafter_tensor_names(tensors, norm_before_fc=True) == []
+    # without the flag SGLang builds no input_norm: the weight would be dropped and fc fed un-normed aux
+    assert "input_norm.weight" in run_sglang_load_weights(tensors)["ignored"]
+    plain = tmp_path / "plain"
+    make_drafter().save_pretrained(plain)
+    plain_cfg = json.loads((plain / "config.json").read_text())
+    assert "norm_before_fc" not in plain_cfg and not sglang_norm_before_fc(plain_cfg)
+    assert "input_norm.weight" not in load_file(str(plain / "model.safetensors"))
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 4], "norm_before_fc": False}}, "engines would"),
+    ({"norm_before_fc": False}, "unexpected.*input_norm"),  # weights with a norm the config does not ask for
+    ({"norm_output": True}, "does not implement"),
+])
+def test_from_pretrained_refuses_a_model_it_would_not_serve_as_the_engines_do(tmp_path, change, error):
+    d = make_norm_before_fc_drafter()
+    d.save_pretrained(tmp_path)
+    cfg = {**json.loads((tmp_path / "config.json").read_text()), **change}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=error):
         Eagle3Drafter.from_pretrained(tmp_path, d.embed_tokens.weight.data, "llama", 8)

@@ -7,11 +7,12 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from core.config import load_config
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.target import cache_root, resolve_target
-from eval.llamacpp import convert_drafter, gguf_target_layers, llamacpp_tree
+from eval.llamacpp import convert_drafter, gguf_norm_before_fc, gguf_target_layers, llamacpp_tree
 from tests.conftest import ROOT
 from tests.sglang_source import sglang_capture_layers
 from train.draft_vocab import build_draft_vocab, d2t_offsets
@@ -23,7 +24,7 @@ def smol():
     return resolve_target(cfg), llamacpp_tree(cache_root(cfg))
 
 
-def export_drafter(out, target_config: dict, aux: list[int], model_type: str):
+def export_drafter(out, target_config: dict, aux: list[int], model_type: str, norm_before_fc: bool = False):
     """A random drafter of the target's shape, exported by the production save_pretrained."""
     c = target_config
     torch.manual_seed(0)
@@ -32,7 +33,10 @@ def export_drafter(out, target_config: dict, aux: list[int], model_type: str):
         num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
         head_dim=c["hidden_size"] // c["num_attention_heads"], vocab_size=c["vocab_size"], draft_vocab_size=256,
         target_hidden_size=c["hidden_size"], aux_layers=aux, target_model_type=model_type,
-        rope_theta=c.get("rope_theta", 10000.0)))
+        rope_theta=c.get("rope_theta", 10000.0), norm_before_fc=norm_before_fc))
+    if norm_before_fc:
+        with torch.no_grad():
+            d.input_norm.weight.copy_(torch.rand(3 * c["hidden_size"]) + 0.5)
     draft_ids, t2d, _ = build_draft_vocab(torch.arange(c["vocab_size"], 0, -1), 256)
     d.d2t.copy_(d2t_offsets(draft_ids))
     d.t2d.copy_(t2d)
@@ -46,9 +50,37 @@ def test_llamacpp_reads_the_trained_layers_of_a_llama_target(smol, tmp_path, aux
     config = json.loads((target / "config.json").read_text())
     drafter = export_drafter(tmp_path / "drafter", config, aux, config["model_type"])
     gguf = convert_drafter(tree, drafter, target, tmp_path / "draft.gguf")
-    assert gguf_target_layers(gguf) == aux
+    assert gguf_target_layers(gguf) == aux and gguf_norm_before_fc(gguf) is False
     ids = json.loads((drafter / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert sglang_capture_layers("llama.py", ids, config["num_hidden_layers"]) == aux  # and SGLang the same
+
+
+def test_llamacpp_reads_norm_before_fc(smol, tmp_path):
+    """EAGLE-3.1: the converter sets eagle3.norm_before_fc and carries input_norm.weight, value for value,
+    as enc.output_norm.weight [3H], the RMSNorm llama.cpp's eagle3 encoder applies to the aux before fc."""
+    from gguf import GGUFReader
+
+    target, tree = smol
+    config = json.loads((target / "config.json").read_text())
+    drafter = export_drafter(tmp_path / "drafter", config, [2, 15, 27], config["model_type"], norm_before_fc=True)
+    gguf = convert_drafter(tree, drafter, target, tmp_path / "draft.gguf")
+    assert gguf_norm_before_fc(gguf) is True
+    norm = next(t for t in GGUFReader(str(gguf)).tensors if t.name == "enc.output_norm.weight")
+    exported = load_file(str(drafter / "model.safetensors"))["input_norm.weight"].float()
+    assert torch.equal(torch.from_numpy(norm.data.copy()), exported) and exported.shape == (3 * config["hidden_size"],)
+
+
+def test_conversion_that_loses_norm_before_fc_is_refused(smol, tmp_path):
+    """config.json without the flag but with the weight: llama.cpp's converter writes the tensor with the
+    flag false, a GGUF llama-server cannot serve as trained; convert_drafter refuses it."""
+    target, tree = smol
+    config = json.loads((target / "config.json").read_text())
+    drafter = export_drafter(tmp_path / "drafter", config, [2, 15, 27], config["model_type"], norm_before_fc=True)
+    cfg = json.loads((drafter / "config.json").read_text())
+    del cfg["norm_before_fc"]
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="enc.output_norm.weight is present"):
+        convert_drafter(tree, drafter, target, tmp_path / "draft.gguf")
 
 
 def test_llamacpp_reads_kimi_layers_3_31_59(smol, tmp_path):

@@ -119,13 +119,16 @@ def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, group
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
-def aux_rms(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], where: str) -> torch.Tensor:
-    """Per-feature RMS of aux [3H] over the assistant positions (where massive-activation sink tokens,
-    e.g. the first token, are rare) of (aux [T,3H], loss_mask [T]) pairs: the first AUX_RMS_SAMPLES
-    samples, from shards or from online captures. where: what the samples are, for the error."""
+@torch.no_grad()
+def aux_rms(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], where: str, norm=None) -> torch.Tensor:
+    """Per-feature RMS of aux [3H] (of norm(aux) when a norm is given: fc's input with norm_before_fc) over
+    the assistant positions (where massive-activation sink tokens, e.g. the first token, are rare) of
+    (aux [T,3H], loss_mask [T]) pairs: the first AUX_RMS_SAMPLES samples, from shards or from online
+    captures. where: what the samples are, for the error."""
     total, count = None, 0
     for aux, loss_mask in samples:
         a = aux[loss_mask.bool()].float()
+        a = a if norm is None else norm(a)
         total = a.pow(2).sum(0) if total is None else total + a.pow(2).sum(0)
         count += a.shape[0]
     if not count:

@@ -45,7 +45,7 @@ log = logging.getLogger("train")
 def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, target: TargetHead,
                   aux_scale=None) -> Eagle3Drafter:
     tc = read_target_config(target_info(cfg).path)
-    c = DrafterConfig.for_target(tc, aux_layers, draft_ids.numel())
+    c = DrafterConfig.for_target(tc, aux_layers, draft_ids.numel(), cfg.train.norm_before_fc)
     d = Eagle3Drafter(c)
     with torch.no_grad():
         d.embed_tokens.weight.copy_(target.embed)
@@ -252,10 +252,13 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
                                                  tc.draft_vocab_size)
     log.info("%d samples / %d tokens (train.source=%s); draft vocab %d covers %.2f%% of assistant tokens",
              len(source.ids), source.num_tokens(), tc.source, draft_ids.numel(), 100 * coverage)
-    drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target,
-                            aux_rms(source.aux_samples(), str(source.dir)))
+    drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target)
+    raw_rms = aux_rms(source.aux_samples(), str(source.dir))  # per aux feature: the unit of train.aux_noise
+    with torch.no_grad():  # the preconditioner is measured on fc's input (core/drafter.py)
+        drafter.aux_scale.copy_(raw_rms if drafter.input_norm is None else
+                                aux_rms(source.aux_samples(), str(source.dir), drafter.input_norm))
     frozen_to_matmul_dtype(drafter, precision)
-    aux_scale = drafter.aux_scale.to(accelerator.device)
+    raw_rms = raw_rms.to(accelerator.device)
     matmul_dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # bf16 is ~2.7x faster where native
     ds = source.dataset(target, matmul_dtype, tc.loss_on_prompt)
     draft_head = target.lm_head[draft_ids].to(accelerator.device, matmul_dtype)  # [Vd,H]: the teacher's rows
@@ -288,8 +291,8 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
                 mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
                 teacher = teacher_targets(batch["final"], mask, draft_head, t2d_dev, batch["argmax"])
                 aux = batch["aux"]
-                if tc.aux_noise:  # in units of each feature's RMS (the drafter divides aux by aux_scale)
-                    aux = aux + (torch.rand_like(aux) * 2 - 1) * tc.aux_noise * aux_scale
+                if tc.aux_noise:  # in units of each raw aux feature's RMS
+                    aux = aux + (torch.rand_like(aux) * 2 - 1) * tc.aux_noise * raw_rms
                 loss, m = objective(aux, batch["input_ids"], mask, teacher)
                 stop_if_not_finite(loss, "loss", step + 1, epoch, batch["ids"], source)
                 window = m if window is None else {k: window[k] + v for k, v in m.items()}
