@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from core.chat import eval_prompt_ids  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.decode import generate, speculative_generate  # noqa: E402
 from core.draft_tree import TreeSpec  # noqa: E402
-from eval.run import eval_prompts, load_engine  # noqa: E402
+from eval.run import load_engine  # noqa: E402
 
 
 def timed_tokens(fn, items) -> tuple[list, float]:
@@ -40,7 +41,7 @@ def main() -> int:
     cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
     model, tok, drafter, stop = load_engine(cfg, args.drafter)
     n = args.max_new_tokens
-    items = eval_prompts(cfg, tok, args.prompts)
+    items = eval_prompt_ids(cfg, tok, args.prompts)
     speculative_generate(model, drafter, items[0][1], 4, stop, 2, TreeSpec(2, 2, 3))  # warm-up
     base, t_base = timed_tokens(lambda ids: generate(model, [ids], n, stop)[0].tokens, items)
     base_tps = sum(map(len, base)) / t_base

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from core.chat import eval_prompt_ids  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.decode import speculative_generate  # noqa: E402
 from core.target import (  # noqa: E402
@@ -31,7 +32,7 @@ from core.target import (  # noqa: E402
 )
 from eval.llamacpp import convert_drafter, llamacpp_tree  # noqa: E402
 from eval.llamacpp_server import LlamaServer, build_server, complete, spec_counters  # noqa: E402
-from eval.run import eval_prompts, load_engine  # noqa: E402
+from eval.run import load_engine  # noqa: E402
 
 
 def run_server(url: str, items, n: int) -> tuple[list[list[int]], float, float]:
@@ -64,7 +65,7 @@ def main() -> int:
     args = ap.parse_args()
     cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
     model, tok, drafter, stop = load_engine(cfg, args.drafter)
-    items = eval_prompts(cfg, tok, args.prompts)
+    items = eval_prompt_ids(cfg, tok, args.prompts)
     n = args.max_new_tokens
     cache = cache_root(cfg)
     tree = llamacpp_tree(cache)

@@ -18,10 +18,10 @@ import shutil
 
 import pytest
 
+from core.chat import eval_prompt_ids
 from core.target import cache_root, load_tokenizer, resolve_target
 from eval.llamacpp import convert_drafter, gguf_target_layers, llamacpp_tree
 from eval.llamacpp_server import LlamaServer, server_binary
-from eval.run import eval_prompts
 from eval.server_eval import run_level
 from tests.conftest import run_cli
 
@@ -106,7 +106,7 @@ def test_aux_layers_read_one_off_break_the_agreement(served, tmp_path):
     gguf = convert_drafter(llamacpp_tree(cache), shifted, resolve_target(cfg), tmp_path / "shifted.gguf")
     assert gguf_target_layers(gguf) == config["eagle_aux_hidden_state_layer_ids"]
     ours = same_output_prompts(report)
-    items = [(i, ids) for i, ids in eval_prompts(cfg, load_tokenizer(cfg), str(prompts)) if i in ours]
+    items = [(i, ids) for i, ids in eval_prompt_ids(cfg, load_tokenizer(cfg), str(prompts)) if i in ours]
     assert len(items) == len(ours)
     target = run_dir / "eval/llamacpp/target-f32.gguf"
     with LlamaServer(server_binary(cache), target, gguf, k=3) as url:

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import core.decode as decode
+from core.chat import eval_prompt_ids
 from core.decode import generate, speculative_generate
 from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
 from core.errors import UserError
 from core.target import end_of_turn_ids, load_target, load_target_embeddings, load_tokenizer, target_info
-from eval.run import eval_prompts
 from tests.conftest import ROOT, run_cli
 
 
@@ -28,11 +28,11 @@ def engine(overfit_tiny):
     info = target_info(cfg)
     drafter = Eagle3Drafter.from_pretrained(run_dir / "drafter", load_target_embeddings(cfg).embed, info.model_type,
                                             info.num_layers).eval()
-    trained = [ids for _, ids in eval_prompts(cfg, load_tokenizer(cfg), str(prompts))]
+    trained = [ids for _, ids in eval_prompt_ids(cfg, load_tokenizer(cfg), str(prompts))]
     cfg.eval.max_prompts = 12
-    heldout = [ids for _, ids in eval_prompts(cfg, tok, str(ROOT / "tests/data/mt_bench_3.jsonl"))]
+    heldout = [ids for _, ids in eval_prompt_ids(cfg, tok, str(ROOT / "tests/data/mt_bench_3.jsonl"))]
     cfg.eval.prompts = "heldout"
-    heldout += [ids for _, ids in eval_prompts(cfg, tok, None)]
+    heldout += [ids for _, ids in eval_prompt_ids(cfg, tok, None)]
     return model, drafter, trained, heldout, end_of_turn_ids(tok, model.generation_config)
 
 
