@@ -21,13 +21,13 @@ from eval.llamacpp import convert_drafter, gguf_target_layers, llamacpp_tree
 from eval.llamacpp_server import LlamaServer, server_binary
 from eval.run import eval_prompts
 from eval.server_eval import run_level
-from tests.conftest import run_cli
+from tests.conftest import run_stage
 
 
 @pytest.fixture(scope="module")
 def served(overfit_tiny):
     cfg, run_dir, flags, prompts = overfit_tiny
-    run_cli("eval", *flags, "--engine", "llamacpp", "--prompts", str(prompts), "--concurrency", "1,2")
+    run_stage("eval", *flags, "--engine", "llamacpp", "--prompts", str(prompts), "--concurrency", "1,2")
     return cfg, run_dir, prompts, json.loads((run_dir / "eval/report.json").read_text())
 
 
