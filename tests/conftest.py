@@ -34,6 +34,53 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+def run_stage(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m <stage> ...` in this process: the stage's own `__main__` (argument parsing, run_main's
+    one-line errors, its exit code) run by runpy, without a new interpreter's 5-6 s of imports. For
+    tests about a stage's behaviour; those about processes (kill -9, launchers, locks held by another
+    process, a private mount namespace) start real ones with run_cli / Popen. -> returncode, stdout,
+    stderr as a subprocess would give them: the stage's log lines (INFO and up) and progress bars, its
+    error line, or the traceback of an exception it let through (exit 1, as the interpreter would)."""
+    import io
+    import logging
+    import runpy
+    import traceback
+    from contextlib import redirect_stderr, redirect_stdout
+
+    import torch
+
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    saved = sys.argv, root.level, list(root.handlers), os.getcwd(), torch.get_num_threads()
+    sys.argv = [f"{args[0]}/__main__.py", *args[1:]]
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    os.chdir(ROOT)
+    code = 0
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            runpy.run_module(args[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            err.write(f"{e.code}\n")
+    except Exception:  # noqa: BLE001 - what the interpreter would print: a traceback, exit 1
+        err.write(traceback.format_exc())
+        code = 1
+    finally:
+        sys.argv, level, handlers, cwd, threads = saved
+        root.handlers[:] = handlers  # also drops any a basicConfig added
+        root.setLevel(level)
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+    proc = subprocess.CompletedProcess(["python", "-m", *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"{args[0]} exited {code}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
 def wait_until(cond, what: str, timeout: float = 10.0) -> None:
     """Poll `cond` instead of sleeping a guessed time: done as soon as it holds, a clear failure
     naming `what` if it does not within `timeout` seconds (a slow CI box only makes it wait longer)."""
@@ -93,7 +140,7 @@ def overfit_tiny(tmp_path_factory):
         prompts = run_dir / "train_prompts.jsonl"
         if not built:
             for stage in ("data_gen", "extract", "train"):
-                run_cli(stage, *flags)
+                run_stage(stage, *flags)
             prompts.write_text("".join(json.dumps({"id": r["conversation_id"], "prompt": r["messages"][0]["content"]})
                                        + "\n" for r in read_conversations(run_dir / "conversations")))
     return cfg, run_dir, flags, prompts

@@ -17,7 +17,7 @@ from core.conversations import read_conversations
 from core.target import load_tokenizer
 from data_gen.generate import main
 from data_gen.openai_client import backoff_delay, retry_after_seconds
-from tests.conftest import ROOT, masked_spans, run_cli
+from tests.conftest import ROOT, masked_spans, run_stage
 from tests.fake_openai_server import FakeOpenAIServer, scripted_answer
 
 N_CONV = 40
@@ -95,7 +95,7 @@ def test_kill9_at_random_moments_then_rerun_loses_and_duplicates_nothing(tmp_pat
         assert parts_before, "no part was committed before the kills"
         # a part cut short by a kill, for certain (the random kills above may or may not leave one)
         (tmp_path / "run/conversations/.part-00099.parquet.tmp4194305").write_bytes(b"half a part")
-        run_cli(*args)
+        run_stage(*args)
     ids = Counter(read_conversations(tmp_path / "run/conversations")["conversation_id"])
     assert sorted(ids) == [f"c{i:03d}" for i in range(N_CONV)] and set(ids.values()) == {1}
     assert not list((tmp_path / "run/conversations").glob("*.tmp*"))
@@ -166,13 +166,13 @@ def test_bad_prompt_file_strict_names_the_line_skip_counts(tmp_path):
                   '{"id": "y", "conversations": [{"from": "human", "value": 42}]}', '{"id": "z", "conversations": []}']
     prompts.write_text("\n".join(lines) + "\n")
     with FakeOpenAIServer() as server:
-        proc = run_cli("data_gen", *flags(tmp_path, server.url, prompts), check=False)
+        proc = run_stage("data_gen", *flags(tmp_path, server.url, prompts), check=False)
         assert proc.returncode == 1
         assert proc.stderr.strip().splitlines()[-1] == (
             f"data_gen: error: {prompts}:2: malformed JSON (Expecting property name enclosed in double quotes "
             "at column 18)")
         assert not (tmp_path / "run/conversations").exists()  # nothing written before the input is read
-        run_cli("data_gen", *flags(tmp_path, server.url, prompts, "data_gen.on_bad_record=skip"))
+        run_stage("data_gen", *flags(tmp_path, server.url, prompts, "data_gen.on_bad_record=skip"))
     summary = json.loads((tmp_path / "run/conversations/summary.json").read_text())
     assert summary["input_skipped"] == {"malformed_json": 1, "unknown_role": 1, "bad_value": 1,
                                         "empty_conversation": 1}

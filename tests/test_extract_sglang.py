@@ -18,7 +18,7 @@ from core.aux_layers import resolve_aux_layers
 from core.config import load_config
 from core.hidden_shards import HiddenShards
 from core.target import load_target, target_info
-from tests.conftest import ROOT, holds_for, run_cli, trained_next
+from tests.conftest import ROOT, holds_for, run_stage, trained_next
 from tests.fake_sglang_server import FakeSGLangServer
 from tests.sglang_source import sglang_capture_layers, sglang_root
 
@@ -29,8 +29,8 @@ TINY = "configs/tiny-random-llama.yaml"
 def conversations(tmp_path_factory):
     """24 tiny-target conversations and their hf-engine shards (fp32, the reference rows)."""
     base = tmp_path_factory.mktemp("sg")
-    run_cli("data_gen", "--config", TINY, "--run-dir", str(base / "hf"), "data_gen.num_samples=24")
-    run_cli("extract", "--config", TINY, "--run-dir", str(base / "hf"), "extract.dtype=float32")
+    run_stage("data_gen", "--config", TINY, "--run-dir", str(base / "hf"), "data_gen.num_samples=24")
+    run_stage("extract", "--config", TINY, "--run-dir", str(base / "hf"), "extract.dtype=float32")
     return base
 
 
@@ -67,13 +67,13 @@ def test_rows_equal_hf_engine_and_mismatches_are_reported_not_written(served, co
     ids = ref.ids
     hit, wrong = (ref.load(ids[i])["input_ids"].tolist() for i in (5, 9))
     with FakeSGLangServer(model, aux, run / "dumps", cache_hit_prompts=[hit], wrong_rows_prompts=[wrong]) as server:
-        proc = run_cli("extract", *sglang_flags(run, server.url), check=False)
+        proc = run_stage("extract", *sglang_flags(run, server.url), check=False)
         assert proc.returncode == 1
         assert "cached_tokens = 3: prefix-cache hit" in proc.stderr and ids[5] in proc.stderr
         assert f"sample {ids[9]!r}: the engine's token ids differ from the sample's" in proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith("extract: error: 2 samples failed their checks")
         assert len(HiddenShards(run / "hidden")) == 22  # everything else committed, the victims absent
-        run_cli("extract", *sglang_flags(run, server.url))  # the rerun fetches just the victims
+        run_stage("extract", *sglang_flags(run, server.url))  # the rerun fetches just the victims
         # per run one readiness check and one probe request
         assert len(server.request_times) == 24 + 2 + 2 and server.health_checks == 2
     assert_rows_equal_hf(run, conversations)
@@ -94,7 +94,7 @@ def test_kill9_client_then_rerun(served, conversations):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert 6 <= len(HiddenShards(run / "hidden")) < 24
-        run_cli("extract", *sglang_flags(run, server.url))
+        run_stage("extract", *sglang_flags(run, server.url))
     ids = [line for line in (run / "hidden/index.jsonl").read_text().splitlines()]
     assert len(ids) == 24 == len(HiddenShards(run / "hidden"))  # no duplicate index rows
     assert_rows_equal_hf(run, conversations)
@@ -141,7 +141,7 @@ def test_fp8_loss_span_shards_through_the_double_train_and_stats(served, convers
     rows, final only on loss spans; train reads them; stats reports the bytes."""
     run, model, aux = served
     with FakeSGLangServer(model, aux, run / "dumps") as server:
-        run_cli("extract", *sglang_flags(run, server.url, "extract.dtype=fp8_e4m3", "extract.spans=loss"))
+        run_stage("extract", *sglang_flags(run, server.url, "extract.dtype=fp8_e4m3", "extract.spans=loss"))
     ours, ref = HiddenShards(run / "hidden"), HiddenShards(conversations / "hf/hidden")
     assert sorted(ours.ids) == sorted(ref.ids)
     for sid in ref.ids:
@@ -151,11 +151,11 @@ def test_fp8_loss_span_shards_through_the_double_train_and_stats(served, convers
             assert ((got - want).abs() <= 2**-4 * want.abs() + 1e-3 * want.abs().amax()).all()
         assert not a["final"][~need].any()
     flags = ["--config", TINY, "--run-dir", str(run), "train.epochs=1", "train.wandb_mode=disabled"]
-    bad = run_cli("train", *flags, "train.loss_on_prompt=true", check=False)
+    bad = run_stage("train", *flags, "train.loss_on_prompt=true", check=False)
     assert bad.returncode == 1 and "extract.spans=loss" in bad.stderr.strip().splitlines()[-1]
-    run_cli("train", *flags)
+    run_stage("train", *flags)
     assert (run / "drafter/model.safetensors").is_file()
-    out = run_cli("extract", "stats", "--config", TINY, "--run-dir", str(run)).stdout
+    out = run_stage("extract", "stats", "--config", TINY, "--run-dir", str(run)).stdout
     files = sum(p.stat().st_size for p in (run / "hidden").glob("shard-*.safetensors"))
     assert f"bytes/token    {files / ours.num_tokens():,.1f} = aux " in out
     h = target_info(load_config(ROOT / TINY)).hidden_size

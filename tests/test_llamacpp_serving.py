@@ -23,13 +23,13 @@ from core.target import cache_root, load_tokenizer, resolve_target
 from eval.llamacpp import convert_drafter, gguf_target_layers, llamacpp_tree
 from eval.llamacpp_server import LlamaServer, server_binary
 from eval.server_eval import run_level
-from tests.conftest import run_cli
+from tests.conftest import run_stage
 
 
 @pytest.fixture(scope="module")
 def served(overfit_tiny):
     cfg, run_dir, flags, prompts = overfit_tiny
-    run_cli("eval", *flags, "--engine", "llamacpp", "--prompts", str(prompts), "--concurrency", "1,2")
+    run_stage("eval", *flags, "--engine", "llamacpp", "--prompts", str(prompts), "--concurrency", "1,2")
     return cfg, run_dir, prompts, json.loads((run_dir / "eval/report.json").read_text())
 
 
@@ -52,8 +52,8 @@ def served_norm_before_fc(overfit_tiny, tmp_path_factory):
     for stage_dir in ("conversations", "hidden"):
         shutil.copytree(run_dir / stage_dir, norm_run / stage_dir)
     norm_flags = [str(norm_run) if f == str(run_dir) else f for f in flags] + ["train.norm_before_fc=true"]
-    run_cli("train", *norm_flags)
-    run_cli("eval", *norm_flags, "--engine", "llamacpp", "--prompts", str(prompts), "--concurrency", "1")
+    run_stage("train", *norm_flags)
+    run_stage("eval", *norm_flags, "--engine", "llamacpp", "--prompts", str(prompts), "--concurrency", "1")
     return norm_run, json.loads((norm_run / "eval/report.json").read_text())
 
 

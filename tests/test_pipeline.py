@@ -1,5 +1,5 @@
-"""All four stages through their CLIs on the real SmolLM2 target at tiny sizes, then the contracts
-between them: loss-mask exactness, the aux-layer golden check, the export format, the report."""
+"""All four stages through their CLIs (their `__main__`, in this process: tests/conftest.run_stage) on the
+real SmolLM2 target at tiny sizes, then the contracts between them: loss-mask exactness, the aux-layer golden check, the export format, the report."""
 
 import json
 
@@ -12,7 +12,7 @@ from core.config import load_config
 from core.conversations import read_conversations
 from core.hidden_shards import HiddenShards
 from core.target import load_target
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_stage
 from tests.sglang_source import check_drafter_tensor_names, sglang_capture_layers
 
 TINY = ["data_gen.num_samples=6", "data_gen.max_new_tokens=24", "data_gen.batch_size=3", "data_gen.part_samples=3",
@@ -25,7 +25,7 @@ TINY = ["data_gen.num_samples=6", "data_gen.max_new_tokens=24", "data_gen.batch_
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("smol") / "run"
     flags = ["--config", "configs/smollm2-135m-instruct.yaml", "--run-dir", str(run_dir), *TINY]
-    logs = {stage: run_cli(stage, *flags).stderr for stage in ("data_gen", "extract", "train", "eval")}
+    logs = {stage: run_stage(stage, *flags).stderr for stage in ("data_gen", "extract", "train", "eval")}
     cfg = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", [f"run_dir={run_dir}", *TINY])
     return cfg, run_dir, flags, logs
 
@@ -132,17 +132,17 @@ def test_every_output_dir_records_where_it_came_from(run):
 def test_rerun_resumes_without_duplicates(run):
     _, run_dir, flags, _ = run
     before = read_conversations(run_dir / "conversations")["id"]
-    log = run_cli("data_gen", *flags).stderr
+    log = run_stage("data_gen", *flags).stderr
     assert "0 to generate" in log
     assert sorted(read_conversations(run_dir / "conversations")["id"]) == sorted(before)
-    log = run_cli("extract", *flags).stderr
+    log = run_stage("extract", *flags).stderr
     assert "0 to do" in log and len(HiddenShards(run_dir / "hidden")) == 6
 
 
 def test_eval_on_mt_bench_prompt_file(run, tmp_path):
     _, run_dir, flags, _ = run
     mt = ROOT / "tests/data/mt_bench_3.jsonl"
-    run_cli("eval", *flags, "--prompts", str(mt), "--out", str(tmp_path), "--max-prompts", "1",
+    run_stage("eval", *flags, "--prompts", str(mt), "--out", str(tmp_path), "--max-prompts", "1",
             "--max-new-tokens", "8")
     r = json.loads((tmp_path / "report.json").read_text())
     assert r["num_prompts"] == 1 and r["per_prompt"][0]["id"] == "81" and r["outputs_match_baseline"]

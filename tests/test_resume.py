@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from core.conversations import read_conversations
 from core.hidden_shards import INDEX, HiddenShards
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_stage
 
 
 def kill_when(args: list[str], ready, timeout: float = 300) -> None:
@@ -43,7 +43,7 @@ def test_kill_9_mid_stage_then_rerun(tmp_path):
     kill_when(["data_gen", *f], lambda: len(list(conv.glob("part-*.parquet"))) >= 2)
     partial = read_conversations(conv)["id"]
     assert 0 < len(partial) < 16
-    run_cli("data_gen", *f)
+    run_stage("data_gen", *f)
     ids = read_conversations(conv)["id"]
     assert len(ids) == 16 and len(set(ids)) == 16 and set(partial) <= set(ids)
 
@@ -51,7 +51,7 @@ def test_kill_9_mid_stage_then_rerun(tmp_path):
     kill_when(["extract", *f], lambda: index.exists() and index.read_text().count("\n") >= 3)
     done = len(HiddenShards(run_dir / "hidden"))
     assert 0 < done < 16
-    run_cli("extract", *f)
+    run_stage("extract", *f)
     shards = HiddenShards(run_dir / "hidden")
     rows = [json.loads(x) for x in index.read_text().splitlines()]
     assert sorted(shards.ids) == sorted(ids) and len(rows) == 16  # every sample once
@@ -61,7 +61,7 @@ def test_kill_9_mid_stage_then_rerun(tmp_path):
     for stage_dir in ("conversations", "hidden"):
         shutil.copytree(run_dir / stage_dir, ref_dir / stage_dir)
     tf = ["train.epochs=3", "train.batch_size=2", "train.save_every=2", "train.log_every=1", "train.lr=3e-3"]
-    run_cli("train", *flags(ref_dir, *tf))
+    run_stage("train", *flags(ref_dir, *tf))
     rows = [json.loads(x) for x in (ref_dir / "train/metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows]
     assert [r["step"] for r in rows] == list(range(1, 25)) and all(math.isfinite(x) for x in losses)
@@ -74,7 +74,7 @@ def test_kill_9_mid_stage_then_rerun(tmp_path):
     kill_when(["train", *flags(run_dir, *tf)], lambda: ckpt.exists() and json.loads(ckpt.read_text())["step"] >= 4)
     step = json.loads(ckpt.read_text())["step"]
     assert step < 24
-    log = run_cli("train", *flags(run_dir, *tf)).stderr
+    log = run_stage("train", *flags(run_dir, *tf)).stderr
     assert f"resumed from step-{step:07d}" in log
     assert json.loads(ckpt.read_text())["step"] == 24  # 16 samples / 2 per step x 3 epochs
     metrics = [json.loads(x)["step"] for x in (run_dir / "train/metrics.jsonl").read_text().splitlines()]

@@ -1,5 +1,7 @@
 """A run dir that cannot lie (issue 11): each case here once ended in a wrong result with exit 0, or in a
-traceback without the file. Every stage runs through its CLI on a copy of the tiny pipeline's run."""
+traceback without the file. Every stage runs through its CLI on a copy of the tiny pipeline's run: its
+`__main__` in this process (tests/conftest.run_stage), or a real process where processes are the point
+(a lock held by another train, torchrun / accelerate launch, a private mount namespace)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from core.drafter import DrafterConfig, Eagle3Drafter
 from core.errors import UserError
 from core.hidden_shards import INDEX
 from core.stage_lock import LOCK_FILE
-from tests.conftest import ROOT, run_cli, wait_until
+from tests.conftest import ROOT, run_stage, wait_until
 
 
 @pytest.fixture
@@ -59,7 +61,7 @@ def test_flipped_aux_bytes_stop_training_naming_shard_and_sample(run):
     start = 8 + n + json.loads(data[8:8 + n])["aux"]["data_offsets"][0]
     data[start:start + 64] = b"\xff" * 64  # what the issue did: 64 bytes of one sample's aux
     path.write_bytes(bytes(data))
-    proc = run_cli("train", *flags, check=False)
+    proc = run_stage("train", *flags, check=False)
     one_line_error(proc, "train", first["shard"], repr(first["id"]), "aux fails its checksum")
     assert files_of(run_dir / "drafter") == drafter_before
 
@@ -68,12 +70,12 @@ def test_truncated_shard_is_named(run):
     run_dir, flags = run
     path = run_dir / "hidden" / "shard-00000.safetensors"
     path.write_bytes(path.read_bytes()[:100])
-    one_line_error(run_cli("train", *flags, check=False), "train", "shard-00000.safetensors", "unreadable shard")
+    one_line_error(run_stage("train", *flags, check=False), "train", "shard-00000.safetensors", "unreadable shard")
 
 
 def test_diverging_training_stops_at_the_first_non_finite_loss_and_exports_nothing(run):
     run_dir, flags = run
-    proc = run_cli("train", *flags, "--fresh", "train.lr=1e30", "train.epochs=2", check=False)
+    proc = run_stage("train", *flags, "--fresh", "train.lr=1e30", "train.epochs=2", check=False)
     line = one_line_error(proc, "train", "non-finite", "at step", "on samples", "shard-")
     assert "nothing was exported" in line
     assert not (run_dir / "drafter").exists()  # --fresh removed the old one; no NaN drafter replaced it
@@ -96,7 +98,7 @@ def test_export_refuses_non_finite_weights(tmp_path):
 def test_train_does_not_resume_across_changed_settings(run):
     run_dir, flags = run
     before = files_of(run_dir / "drafter")
-    proc = run_cli("train", *flags, "train.lr=5e-3", "train.epochs=6", "train.batch_size=2", check=False)
+    proc = run_stage("train", *flags, "train.lr=5e-3", "train.epochs=6", "train.batch_size=2", check=False)
     line = one_line_error(proc, "train", "train.lr: 0.003 -> 0.005", "train.batch_size: 4 -> 2",
                           "train.epochs: 30 -> 6", "--fresh")
     assert "resumed from" not in proc.stderr, line
@@ -107,11 +109,11 @@ def test_train_does_not_resume_across_changed_settings(run):
 
 def test_grown_data_is_trained_anew_not_resumed(run):
     run_dir, flags = run
-    run_cli("data_gen", *flags, "data_gen.num_samples=16")  # same settings, more conversations: extends
-    run_cli("extract", *flags, "data_gen.num_samples=16")
-    proc = run_cli("train", *flags, "data_gen.num_samples=16", check=False)
+    run_stage("data_gen", *flags, "data_gen.num_samples=16")  # same settings, more conversations: extends
+    run_stage("extract", *flags, "data_gen.num_samples=16")
+    proc = run_stage("train", *flags, "data_gen.num_samples=16", check=False)
     one_line_error(proc, "train", "samples: 12 -> 16", "--fresh")
-    run_cli("train", *flags, "data_gen.num_samples=16", "train.epochs=1", "--fresh")
+    run_stage("train", *flags, "data_gen.num_samples=16", "train.epochs=1", "--fresh")
     manifest = json.loads((run_dir / "drafter" / "manifest.json").read_text())
     assert manifest["settings"]["samples"] == 16 and manifest["counts"]["steps"] == 4  # 16 / batch 4, 1 epoch
     rows = [json.loads(x) for x in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
@@ -121,17 +123,17 @@ def test_grown_data_is_trained_anew_not_resumed(run):
 def test_data_gen_refuses_another_targets_run_dir_and_changed_generation(run):
     run_dir, flags = run
     manifest = (run_dir / "conversations" / "manifest.json").read_bytes()
-    proc = run_cli("data_gen", *flags, "target.model=smollm2-135m-instruct", check=False)
+    proc = run_stage("data_gen", *flags, "target.model=smollm2-135m-instruct", check=False)
     one_line_error(proc, "data_gen", "target.model: 'tiny-random-llama' -> 'smollm2-135m-instruct'")
-    proc = run_cli("data_gen", *flags, "data_gen.max_new_tokens=8", check=False)
+    proc = run_stage("data_gen", *flags, "data_gen.max_new_tokens=8", check=False)
     one_line_error(proc, "data_gen", "data_gen.max_new_tokens: 16 -> 8", "--fresh")
     assert (run_dir / "conversations" / "manifest.json").read_bytes() == manifest
 
 
 def test_extract_refuses_conversations_regenerated_with_other_settings(run):
     run_dir, flags = run
-    run_cli("data_gen", *flags, "data_gen.max_new_tokens=8", "--fresh")
-    proc = run_cli("extract", *flags, check=False)
+    run_stage("data_gen", *flags, "data_gen.max_new_tokens=8", "--fresh")
+    proc = run_stage("extract", *flags, check=False)
     one_line_error(proc, "extract", "conversations:", "--fresh")
 
 
@@ -145,7 +147,7 @@ def test_a_second_train_in_the_same_run_dir_fails_at_once_naming_the_first(run):
         lock = run_dir / "train" / LOCK_FILE
         wait_until(lambda: lock.is_file() and f"pid {first.pid}" in lock.read_text(), "the first train's lock",
                    timeout=120)
-        one_line_error(run_cli("train", *flags, check=False), "train", f"pid {first.pid}", "one writer")
+        one_line_error(run_stage("train", *flags, check=False), "train", f"pid {first.pid}", "one writer")
         assert first.poll() is None  # the first one goes on
     finally:
         first.send_signal(signal.SIGKILL)
@@ -183,7 +185,7 @@ def test_accelerate_launch_that_would_run_one_process_is_refused(run):
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ntrain:\n  lr: [1e-4\n  epochs: 2\n")
-    proc = run_cli("train", "--config", str(bad), check=False)
+    proc = run_stage("train", "--config", str(bad), check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"train: error: {bad}:") and "YAML syntax" in proc.stderr
 
@@ -210,7 +212,7 @@ def test_data_gen_with_every_prompt_skipped_fails_and_keeps_the_data(run, tmp_pa
     before = files_of(run_dir / "conversations")
     prompts = tmp_path / "long.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"tell me a long story number {i}"}) + "\n" for i in range(3)))
-    proc = run_cli("data_gen", *flags, "--fresh", f"data_gen.prompts={prompts}", "data_gen.max_prompt_tokens=2",
+    proc = run_stage("data_gen", *flags, "--fresh", f"data_gen.prompts={prompts}", "data_gen.max_prompt_tokens=2",
                    check=False)
     one_line_error(proc, "data_gen", "no prompt is left", "prompt_too_long")
     assert files_of(run_dir / "conversations") == before  # --fresh empties the dir only for a run that can go on
@@ -221,10 +223,10 @@ def test_drafter_with_corrupt_config_or_of_another_target_is_one_line(overfit_ti
     draft, mt = tmp_path / "drafter", str(ROOT / "tests/data/mt_bench_3.jsonl")
     shutil.copytree(run_dir / "drafter", draft)
     (draft / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"], ')
-    one_line_error(run_cli("eval", *run[1], "--draft", str(draft), "--prompts", mt, check=False), "eval",
+    one_line_error(run_stage("eval", *run[1], "--draft", str(draft), "--prompts", mt, check=False), "eval",
                    f"{draft}/config.json", "not valid JSON")
 
-    from eval.run import main  # the other cases in-process: the same checks, without a second startup
+    from eval.run import main  # the other cases through main itself: the same checks, no CLI parsing
 
     shutil.copy(run_dir / "drafter" / "config.json", draft / "config.json")
     manifest = json.loads((draft / "manifest.json").read_text())
@@ -261,7 +263,7 @@ def test_full_disk_is_one_line_and_keeps_what_was_committed(tmp_path):
     conv = out / "run" / "conversations"
     parts = sorted(conv.glob("part-*.parquet"))
     kept = read_conversations(conv)["id"] if parts else []  # every committed part is whole and readable
-    run_cli("data_gen", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(out / "run"),
+    run_stage("data_gen", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(out / "run"),
             "data_gen.num_samples=40")
     ids = read_conversations(conv)["id"]
     assert len(ids) == 40 == len(set(ids)) and set(kept) <= set(ids)

@@ -8,7 +8,7 @@ import pytest
 
 from core.errors import UserError
 from eval.spec_counters import counter_window, prometheus_spec_counters, sglang_window
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_stage
 from tests.fake_spec_server import FakeSpecServer, rounds
 
 K = 3
@@ -25,7 +25,7 @@ def expected(num_prompts: int) -> tuple[float, list[float]]:
 def test_eval_server_reports_the_engines_own_counts(engine, tmp_path):
     out = tmp_path / "eval"
     with FakeSpecServer(engine, False, K) as base, FakeSpecServer(engine, True, K) as spec:
-        run_cli("eval", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(tmp_path / "run"),
+        run_stage("eval", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(tmp_path / "run"),
                 "--engine", "server", "--server-type", engine, "--base", base.url, "--spec", spec.url,
                 "--prompts", str(ROOT / "tests/data/mt_bench_3.jsonl"), "--max-new-tokens", str(N),
                 "--concurrency", "1,3", "--out", str(out), f"eval.draft_steps={K}")

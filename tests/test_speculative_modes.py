@@ -18,7 +18,7 @@ from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
 from core.errors import UserError
 from core.target import end_of_turn_ids, load_target, load_target_embeddings, load_tokenizer, target_info
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_stage
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,8 @@ class TargetAsDrafter(torch.nn.Module):
             self.seq[pos + 1] = t  # the drafter reads token t+1 at position t
         last = positions[0].tolist()
         ids = [self.first] + [self.seq[i] for i in range(1, max(last) + 2)]
-        logits = self.model(torch.tensor([ids])).logits[0, [p + 1 for p in last]] * self.sharpen
+        # the rows of positions last + 1: the sequence's final len(last) positions (logits_to_keep)
+        logits = self.model(torch.tensor([ids]), logits_to_keep=len(last)).logits[0] * self.sharpen
         return logits[None], hidden[..., :1].expand(1, len(last), 1)
 
     def draft_to_target(self, ids):
@@ -92,9 +93,10 @@ def _pit(logits: torch.Tensor, token: int, u: float) -> float:
     """Randomised probability integral transform of a token drawn from softmax(logits): uniform on
     [0,1] exactly when the token was drawn from that distribution."""
     p = torch.softmax(logits.double(), -1)
-    order = torch.argsort(p, descending=True, stable=True)
-    rank = int((order == token).nonzero())
-    return float(p[order[:rank]].sum() + u * p[token])
+    # the tokens a stable descending sort puts before `token`: more likely ones, and equally likely ones
+    # of a lower id (no sort of the whole vocab: the same sum in O(V))
+    before = (p > p[token]) | ((p == p[token]) & (torch.arange(p.numel()) < token))
+    return float(p[before].sum() + u * p[token])
 
 
 @pytest.mark.parametrize("drafter_kind", ["pipeline drafter", "target as drafter (test double)"])
@@ -108,13 +110,17 @@ def test_speculative_sampling_at_t1_keeps_the_target_distribution(engine, drafte
     if drafter_kind != "pipeline drafter":
         drafter = TargetAsDrafter(model, prompt, sharpen=1.6)
     g, rng = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
-    pits, accepted = [], Counter()
+    answers, accepted = [], Counter()
     with torch.inference_mode():
         for _ in range(n):
             out = speculative_generate(model, drafter, prompt, 4, [], draft_steps=2, temperature=1.0, generator=g)
             accepted[out.accept_lengths[0]] += 1
-            logits = model(torch.tensor([prompt + out.tokens[:3]])).logits[0, -3:]
-            pits += [_pit(logits[j], out.tokens[1 + j], float(torch.rand((), generator=rng))) for j in range(3)]
+            answers.append(out.tokens)
+        # the target's logits at answer positions 2-4, in batches (every sequence has the same length)
+        seqs = torch.tensor([prompt + a[:3] for a in answers])
+        logits = torch.cat([model(rows, logits_to_keep=3).logits for rows in seqs.split(100)])
+    pits = [_pit(logits[i, j], a[1 + j], float(torch.rand((), generator=rng))) for i, a in enumerate(answers)
+            for j in range(3)]
     if drafter_kind != "pipeline drafter":  # both the rejection and the all-accepted path ran often
         assert accepted[1] > 40 and accepted[3] > 40, accepted
     pits.sort()
@@ -127,8 +133,8 @@ def test_eval_cli_reports_tree_and_sampling_modes(overfit_tiny, tmp_path):
     acceptance per tree depth, keeps greedy outputs equal and does not compare sampled ones."""
     cfg, _, flags, prompts = overfit_tiny
     tree_out, t_out = tmp_path / "tree", tmp_path / "t07"
-    run_cli("eval", *flags, "--prompts", str(prompts), "--out", str(tree_out), "eval.draft_tree=[3,2,6]")
-    run_cli("eval", *flags, "--prompts", str(prompts), "--out", str(t_out), "eval.temperature=0.7")
+    run_stage("eval", *flags, "--prompts", str(prompts), "--out", str(tree_out), "eval.draft_tree=[3,2,6]")
+    run_stage("eval", *flags, "--prompts", str(prompts), "--out", str(t_out), "eval.temperature=0.7")
     tree, sampled = (json.loads((d / "report.json").read_text()) for d in (tree_out, t_out))
     assert tree["draft_tree"] == [3, 2, 6] and tree["drafted_per_verification"] == 6
     assert tree["outputs_match_baseline"] is True and len(tree["per_position_acceptance"]) == 3
@@ -137,10 +143,10 @@ def test_eval_cli_reports_tree_and_sampling_modes(overfit_tiny, tmp_path):
     assert sampled["temperature"] == 0.7 and sampled["outputs_match_baseline"] is None
     assert all(r["match"] is None for r in sampled["per_prompt"]) and sampled["acceptance_length"] > 1.0
     assert "speculative sampling at T=0.7" in (t_out / "report.md").read_text()
-    proc = run_cli("eval", *flags, "--prompts", str(prompts), "--out", str(tmp_path / "bad"), "eval.draft_tree=[3,2]",
+    proc = run_stage("eval", *flags, "--prompts", str(prompts), "--out", str(tmp_path / "bad"), "eval.draft_tree=[3,2]",
                    check=False)
     assert proc.returncode != 0 and "eval.draft_tree must be [depth, topk, total]" in proc.stderr.splitlines()[-1]
-    from eval.run import main  # the other bad values in-process: the same checks, no second startup
+    from eval.run import main  # the other bad values through main itself: the same checks
 
     for bad, says in (({"temperature": -1.0}, "eval.temperature = -1.0: must be >= 0"),
                       ({"max_new_tokens": 0}, "eval.max_new_tokens = 0: must be >= 1")):
