@@ -142,10 +142,9 @@ def bench_extract(model, peak, batch=4, seq=512):
 
 
 def bench_train(cfg, model, peak, batch=4, seq=512, steps=5, vd=8192):
-    from train.ttt_loss import TTTObjective, teacher_targets
+    from train.ttt_loss import TTTObjective, teacher_argmax, teacher_targets
 
     device, h = model.device, model.config.hidden_size
-    v = model.config.vocab_size
     d, target, draft_ids, t2d = target_shaped_drafter(cfg, model, vd)
     head = target.lm_head.to(device)
     obj = TTTObjective(d, steps, 0.8)
@@ -153,17 +152,18 @@ def bench_train(cfg, model, peak, batch=4, seq=512, steps=5, vd=8192):
     final = torch.randn(batch, seq, h, device=device)
     ids = torch.randint(0, vd, (batch, seq), device=device)
     mask = torch.ones(batch, seq, dtype=torch.uint8, device=device)
-    dd, tt = draft_ids.to(device), t2d.to(device)
+    draft_head, tt = head[draft_ids.to(device)], t2d.to(device)
+    argmax = teacher_argmax(final, head)  # precomputed once per sample in train, as here
 
     def step():
-        loss, _ = obj(aux, ids, mask, teacher_targets(final, mask, head, dd, tt))
+        loss, _ = obj(aux, ids, mask, teacher_targets(final, mask, draft_head, tt, argmax))
         loss.backward()
 
     t = timed(step, device)
     mm = sum(p.numel() for n_, p in d.named_parameters() if p.dim() == 2 and "embed" not in n_)
     mm_fc = d.fc.weight.numel()
     attn = 2 * seq * d.config.num_attention_heads * d.config.head_dim  # QK^T + PV per token (causal ~half, counted full)
-    flops_tok = 3 * (2 * (mm - mm_fc) * steps + 2 * mm_fc + attn * steps) + 2 * h * v  # fwd+bwd + teacher
+    flops_tok = 3 * (2 * (mm - mm_fc) * steps + 2 * mm_fc + attn * steps) + 2 * h * vd  # fwd+bwd + draft-vocab teacher
     tokens = batch * seq
     print(f"train: TTT K={steps} step {t * 1e3:.0f} ms, {tokens / t:.0f} tok/s, "
           f"MFU {flops_tok * tokens / t / peak:.1%} of measured matmul peak ({flops_tok / 1e9:.2f} GFLOP/token)")
