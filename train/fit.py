@@ -26,7 +26,6 @@ from train.position import Slot, batch_generator, batches_done, lr_factor, rank_
 from train.ttt_loss import step_metrics, teacher_targets
 
 
-
 @dataclass
 class Fit:
     """What the loop reads, built once per launch, and the few things it moves on."""
