@@ -142,7 +142,7 @@ def fit(f: Fit, step: int, start_epoch: int, epoch_samples: int) -> tuple[int, b
             if step % tc.log_every == 0 or step == end_step:  # .item() (a sync) only here
                 row = log_metrics(f, {"step": step, "epoch": epoch, "samples": seen[slot.end], "lr": lr})
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc_0=f"{row['acc_0']:.3f}")
-            stopped = step - first_step == tc.stop_after
+            stopped = step - first_step == tc.stop_after and step < end_step  # at the end: export
             if (tc.save_every and step % tc.save_every == 0) or stopped:
                 save_checkpoint(accelerator, f.train_dir / "checkpoints", {
                     "step": step, "epoch": epoch, "epoch_samples": seen[slot.end] - epoch * n,
