@@ -2,6 +2,7 @@
 training run stopped on 2 processes and finished on 1, and the reverse. Uses the tiny random target
 so each stage runs for seconds."""
 
+import itertools
 import json
 import math
 import os
@@ -194,3 +195,23 @@ def test_one_process_stop_and_two_processes_finish_every_sample_once(shards):
     assert metrics[:4] == ref_metrics[:4]
     assert metrics[4]["samples"] == 24 and metrics[-1]["samples"] == 36  # the end of epochs 1 and 2
     assert metrics[-1]["lr"] == ref_metrics[-1]["lr"] and all(a["lr"] >= b["lr"] for a, b in pairwise(metrics))
+
+
+def test_rank_slots_split_the_rest_of_an_epoch_once_over_any_world_size():
+    from train.position import lr_factor, rank_slots
+
+    for batches, world, accum in itertools.product(range(1, 8), range(1, 4), range(1, 4)):
+        for done in range(batches + 1):
+            per_rank = [rank_slots(batches, done, world, accum, r) for r in range(world)]
+            assert len({len(s) for s in per_rank}) == 1  # under DDP every rank joins every step
+            real = sorted(s.batch for slots in per_rank for s in slots if s.weight)
+            assert real == list(range(done, batches)), (batches, done, world, accum, real)
+            # a step's real batches weigh world x accum in all (their mean gradient, like a full step's)
+            for k in range(0, len(per_rank[0]), accum):
+                step = [s for slots in per_rank for s in slots[k:k + accum]]
+                assert sum(s.weight for s in step) == pytest.approx(world * accum)
+                assert len({(s.start, s.end) for s in step}) == 1
+    # With steps of equal size the per-sample schedule is the old per-step one: (k+1)/w, then cosine at k.
+    total, n, warm = 40, 4, 2  # 10 steps of 4 samples, 2 warmup steps
+    old = [(k + 1) / warm if k < warm else 0.5 * (1 + math.cos(math.pi * (k - warm) / (10 - warm))) for k in range(10)]
+    assert [lr_factor(k * n, (k + 1) * n, total, warm * n) for k in range(10)] == pytest.approx(old)
