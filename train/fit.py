@@ -75,6 +75,9 @@ def micro_step(f: Fit, batch: dict, slot: Slot, epoch: int, step: int, lr: float
     """Forward and backward of one slot; on a step's last slot also the optimizer step, at learning rate lr."""
     tc, accelerator = f.cfg.train, f.accelerator
     with accelerator.accumulate(f.objective):
+        if accelerator.sync_gradients:  # set before the backward: under DeepSpeed the step happens inside it
+            for group in f.opt.param_groups:
+                group["lr"] = lr
         loss, m = batch_loss(f, batch, epoch, slot.batch, step)
         if not slot.weight:  # an empty slot at the epoch's end: it trains and counts nothing
             m = {k: v * 0 for k, v in m.items()}
@@ -87,8 +90,6 @@ def micro_step(f: Fit, batch: dict, slot: Slot, epoch: int, step: int, lr: float
             norm = accelerator.clip_grad_norm_(f.objective.parameters(), tc.grad_clip)
             if norm is not None:
                 stop_if_not_finite(norm, "gradient norm", step + 1, epoch, batch["ids"], f.shards)
-            for group in f.opt.param_groups:
-                group["lr"] = lr
         f.opt.step()
         f.opt.zero_grad(set_to_none=True)
 
