@@ -107,6 +107,11 @@ class TrainConfig:
     grad_clip: float = _f(0.5, "max grad norm", gt=0)
     log_every: int = _f(10, "optimizer steps between log lines", ge=1)
     save_every: int = _f(0, "optimizer steps between checkpoints (0: at each epoch end)", ge=0)
+    stop_after: int = _f(0, "end this launch with a checkpoint after this many optimizer steps, without exporting; a "
+                            "rerun continues, on any number of processes (job slots shorter than the run); 0 = to the end",
+                         ge=0)
+    log_samples: bool = _f(False, "write train/samples.jsonl: each micro-batch's step, epoch, batch index, rank, sample "
+                                  "ids and loss (an audit of what the run trained on; one sync per micro-batch)")
     aux_noise: float = _f(0.0, "uniform noise U(-a, a) added to the RMS-normalised aux features while training "
                                "(EAGLE's feature-noise regulariser against memorising small data)", ge=0)
     loss_on_prompt: bool = _f(False, "also distill the target's predictions at prompt positions (more signal per sample)")

@@ -10,7 +10,8 @@ exit (a collection error says the mutant broke the import, not the behaviour), i
 Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, K1-K2 the two it
 found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S1-S2 and T1-T2 issue
 10's speculative sampling and draft trees, F1-F4 issue 13's fast TTT step (flex block mask, fused loss,
-checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc.
+checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W4 its resume onto another
+number of processes.
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ class Mutant:
 
 ALIGN = ("tests/test_draft_alignment.py",)
 RESUME = ("tests/test_resume.py",)
+WORLD = ("tests/test_resume.py::test_two_processes_stop_and_one_process_finishes_as_if_never_stopped",
+         "tests/test_resume.py::test_one_process_stop_and_two_processes_finish_every_sample_once")
 SAMPLING = ("tests/test_speculative_modes.py::test_speculative_sampling_at_t1_keeps_the_target_distribution",)
 FAST = ("tests/test_ttt_fast_paths.py",)
 NORM_FC = ("tests/test_drafter.py",)
 TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_output",)
 ONLINE = ("tests/test_train_online.py",)
 MUTANTS = [
-    Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/loop.py",
+    Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/checkpoint.py",
            '    accelerator.load_state(str(ckpt_root / latest["path"]))\n', "", RESUME),
     Mutant("M2a", "draft cache never rolled back after a verification", "core/decode.py",
            "        dcache.rollback(m)", "        pass", ALIGN),
@@ -57,7 +60,7 @@ MUTANTS = [
            "shift_left(input_ids, k + 1), positions + k,", "shift_left(input_ids, k + 1), positions,", ALIGN),
     Mutant("M3d", "TTT step k reads x[t+1] instead of x[t+k+1]", "train/ttt_loss.py",
            "shift_left(input_ids, k + 1), positions + k,", "shift_left(input_ids, 1), positions + k,", ALIGN),
-    Mutant("M4a", "optimizer step removed", "train/loop.py", "                opt.step()\n", "", RESUME),
+    Mutant("M4a", "optimizer step removed", "train/fit.py", "        f.opt.step()\n", "", RESUME),
     Mutant("M4b", "per-position acceptance counts a >= i+1", "eval/report.py",
            "sum(a > i + 1 for a in lengths)", "sum(a >= i + 1 for a in lengths)",
            ("tests/test_decode.py::test_scripted_partial_accepts_give_exact_lengths_and_per_position_acceptance",)),
@@ -85,13 +88,14 @@ MUTANTS = [
     Mutant("N6", "check_compat passes when a key is missing", "core/manifest.py",
            "        if key not in have:", "        if False:",
            ("tests/test_config.py::test_check_compat_refuses_a_missing_or_different_key",)),
-    Mutant("N7", "resume replays the epoch's first batches (skip_first_batches dropped)", "train/loop.py",
-           "            dl = accelerator.skip_first_batches(dl, skip)", "            pass", RESUME),
+    Mutant("N7", "resume replays the epoch's first batches (the samples done in the epoch ignored)", "train/fit.py",
+           "        done = batches_done(batches, epoch_samples, where)\n", "        done = 0\n", RESUME),
     Mutant("N8", "verification accepts one draft too many", "core/decode.py",
-           "        new = _emitted(drafts[:a] + [verdict[a]]", "        new = _emitted(drafts[:a + 1] + [verdict[a]]",
+           "accepted, rows = drafts[:a], list(range(a + 1))", "accepted, rows = drafts[:a + 1], list(range(a + 1))",
            ("tests/test_decode.py",)),
     Mutant("N9", "the accepted tokens are re-read with the drafts' aux offset by one", "core/decode.py",
-           "d_logits, h = drafter(aux[:, : len(new)]", "d_logits, h = drafter(aux[:, 1: len(new) + 1]", ALIGN),
+           "d_logits, h = drafter(aux[:, rows]", "d_logits, h = drafter(aux[:, [min(r + 1, aux.shape[1] - 1) for r in rows]]",
+           ALIGN),
     Mutant("N10", "llama.cpp's top-level layer ids exported shifted by one", "core/drafter.py",
            '"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),',
            '"eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.aux_layers],', ("tests/test_aux_layers.py",)),
@@ -127,6 +131,15 @@ MUTANTS = [
            ONLINE),
     Mutant("O4", "online samples in conversation order, not the shards' sorted ids", "train/online.py",
            "order = sorted(range(len(ids)), key=ids.__getitem__)", "order = list(range(len(ids)))", ONLINE),
+    Mutant("W1", "a launch on another world size keeps grad_accum (2 -> 1 process halves the run's global batch)",
+           "train/loop.py", "accum = accum_for(step_batches, world)", "accum = tc.grad_accum", WORLD),
+    Mutant("W2", "aux noise drawn from each process's global RNG, not from the batch's own stream", "train/fit.py",
+           "torch.rand(aux.shape, generator=g,", "torch.rand(aux.shape, generator=None,", WORLD),
+    Mutant("W3", "the empty slot at an epoch's end trains its batch again", "train/position.py",
+           "else Slot(start, 0.0, start, end)", "else Slot(start, 1.0, start, end)", WORLD),
+    Mutant("W4", "the data position restored as batches of this launch's ranks (old skip_first_batches count)",
+           "train/fit.py", "        done = batches_done(batches, epoch_samples, where)\n",
+           "        done = batches_done(batches, epoch_samples, where) // world\n", WORLD),
     Mutant("N11", "atomic writes keep the writer's 0600 mode", "core/atomic_io.py",
            "        os.chmod(tmp, FILE_MODE)\n", "",
            ("tests/test_pipeline.py::test_outputs_are_readable_by_other_users",)),

@@ -39,7 +39,7 @@ def test_cli_rejects_bad_key_with_one_line_and_exit_2():
     known = ", ".join(sorted(f.name for f in dataclasses.fields(TrainConfig)))
     assert proc.stderr.strip().splitlines()[-1] == (
         "extract: error: configs/smollm2-135m-instruct.yaml: unknown config key train.bogus "
-        f"(known: {known})")
+        f"(known: {known})")  # from TrainConfig: a hand-kept list went stale twice
 
 
 def test_help_lists_every_key():

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from core.config import RunConfig
@@ -117,6 +117,12 @@ def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, group
         chunk = sorted(order[start:start + span], key=lambda i: lengths[i])
         batches += [chunk[b:b + batch_size] for b in range(0, len(chunk), batch_size)]
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def slot_batches(ds: Dataset, batches: list[list[int]], slots: list, device: torch.device):
+    """The collated batches of a rank's slots (train/position.py), in order, on `device`."""
+    for batch in DataLoader(ds, batch_sampler=[batches[s.batch] for s in slots], collate_fn=collate):
+        yield {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @torch.no_grad()

@@ -6,14 +6,13 @@
 
 Reads <run>/hidden (train.source=online: <run>/conversations, captured by the target; train/online.py),
 writes <run>/train (checkpoints, metrics.jsonl, W&B offline run, curves.png) and the SGLang-format
-drafter to <run>/drafter. A rerun resumes from the latest checkpoint.
+drafter to <run>/drafter. A rerun resumes from the latest checkpoint, on any number of processes
+(train/position.py, train/checkpoint.py); the step loop is train/fit.py.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import shutil
 from contextlib import nullcontext
@@ -22,22 +21,23 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
-from tqdm import tqdm
 
-from core.atomic_io import append_jsonl, atomic_write_json, atomic_write_text, honour_umask, read_jsonl
+from core.atomic_io import read_jsonl
 from core.config import RunConfig, to_dict
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.errors import UserError
 from core.manifest import open_stage_dir, write_manifest
 from core.stage_lock import stage_lock
 from core.target import TargetHead, load_target_embeddings, read_target_config, resolve_precision, target_info
-from train.data import ShardSource, aux_rms, collate, length_grouped_batches
+from train.checkpoint import load_checkpoint, read_latest
+from train.data import ShardSource, aux_rms
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
+from train.fit import Fit, fit
 from train.online import OnlineSource
 from train.plots import plot_curves
+from train.position import accum_for
 from train.tau_probe import TauProbe
-from train.ttt_loss import TTTObjective, step_metrics, teacher_targets
+from train.ttt_loss import TTTObjective
 
 log = logging.getLogger("train")
 
@@ -68,80 +68,19 @@ def frozen_to_matmul_dtype(drafter: Eagle3Drafter, precision: str) -> None:
         drafter.embed_tokens.to(torch.bfloat16)
 
 
-def stop_if_not_finite(x: torch.Tensor, what: str, step: int, epoch: int, ids: list[str], source):
-    """Training on NaN/inf silently ruins every weight: stop at the first, naming the batch's samples."""
-    if not torch.isfinite(x).all():
-        raise UserError(f"non-finite {what} ({x.item()}) at step {step} (epoch {epoch}) on samples {ids} of "
-                        f"{source.where(ids)}: check those samples, or lower train.lr; nothing was exported")
-
-
-def lr_lambda(total_steps: int, warmup: int):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return f
-
-
-def epoch_loader(ds, lengths: list[int], cfg: RunConfig, epoch: int, accelerator: Accelerator):
-    batches = length_grouped_batches(lengths, cfg.train.batch_size, cfg.seed + epoch)
-    dl = DataLoader(ds, batch_sampler=batches, collate_fn=collate)
-    return accelerator.prepare_data_loader(dl)
-
-
-def save_checkpoint(accelerator: Accelerator, ckpt_root: Path, step: int, epoch: int, batch: int) -> None:
-    path = ckpt_root / f"step-{step:07d}"
-    accelerator.save_state(str(path))
-    if accelerator.is_main_process:
-        honour_umask(path)
-        atomic_write_json(ckpt_root / "latest.json", {"path": path.name, "step": step, "epoch": epoch,
-                                                       "batch": batch})
-        for old in sorted(ckpt_root.glob("step-*"))[:-2]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-
-
-def resume(accelerator: Accelerator, ckpt_root: Path, metrics_path: Path) -> tuple[int, int, int]:
-    """Load the latest complete checkpoint, if any -> (step, epoch, batches done in that epoch)."""
-    if not (ckpt_root / "latest.json").is_file():
-        return 0, 0, 0
-    latest = json.loads((ckpt_root / "latest.json").read_text())
-    accelerator.load_state(str(ckpt_root / latest["path"]))
-    step = latest["step"]
-    log.info("resumed from %s (step %d, epoch %d, batch %d)", latest["path"], step, latest["epoch"], latest["batch"])
-    if accelerator.is_main_process:  # drop rows logged after the checkpoint; they are redone
-        kept = [r for r in read_jsonl(metrics_path) if r["step"] <= step]
-        atomic_write_text(metrics_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
-    return step, latest["epoch"], latest["batch"]
-
-
-def log_metrics(accelerator: Accelerator, metrics_path: Path, step: int, epoch: int, lr: float,
-                sums: dict[str, torch.Tensor], decay: float, extra: dict) -> dict:
-    """Per-step sums since the last line, summed across ranks, then divided (step_metrics); plus `extra`
-    (τ, measured on the main process)."""
-    row = {"step": step, "epoch": epoch, "lr": lr}
-    row.update(step_metrics({k: accelerator.reduce(v, "sum") for k, v in sums.items()}, decay))
-    row.update(extra)
-    accelerator.log(row, step=step)
-    if accelerator.is_main_process:
-        append_jsonl(metrics_path, [row])
-    return row
-
-
 SOURCES = {"offline": ShardSource, "online": OnlineSource}  # train/data.py: what a source gives the loop
 # how the step is computed, not what it computes: a run may resume with other values (source: its own keys)
-SETTINGS_EXCLUDED = ("source", "log_every", "save_every", "wandb_mode", "wandb_project", "mixed_precision",
+SETTINGS_EXCLUDED = ("source", "log_every", "save_every", "stop_after", "log_samples", "wandb_mode", "wandb_project", "mixed_precision",
                      "attention", "loss_chunk", "compile", "activation_checkpointing", "tau_every", "tau_prompts",
                      "tau_new_tokens")
 
 
-def training_settings(cfg: RunConfig, source, world_size: int, precision: str) -> dict:
+def training_settings(cfg: RunConfig, source, precision: str) -> dict:
     """What shapes the drafter: a rerun resumes a checkpoint only when these are the same (the data
-    included: grown or re-extracted data trains anew; `source.settings()`), so the drafter never mixes two runs."""
+    included: grown or re-extracted data trains anew; `source.settings()`), so the drafter never mixes two
+    runs. The world size is not one of them: another number of processes continues the run (train/position.py)."""
     tc = to_dict(cfg.train)
-    return {**source.settings(), "seed": cfg.seed, "target.model": cfg.target.model, "world_size": world_size,
-            "precision": precision,
+    return {**source.settings(), "seed": cfg.seed, "target.model": cfg.target.model, "precision": precision,
             **{f"train.{k}": v for k, v in tc.items() if k not in SETTINGS_EXCLUDED}}
 
 
@@ -201,7 +140,7 @@ def open_run(cfg: RunConfig, accelerator: Accelerator, source, fresh: bool):
     """Log where this run trains, and (main process) ready train/ and drafter/ for its settings."""
     train_dir, out = cfg.run_path / "train", cfg.run_path / "drafter"
     precision = accelerator.mixed_precision
-    settings = training_settings(cfg, source, accelerator.num_processes, precision)
+    settings = training_settings(cfg, source, precision)
     runtime = {"world_size": accelerator.num_processes, "device": str(accelerator.device),
                "distributed": str(accelerator.distributed_type), "torch_threads": torch.get_num_threads()}
     log.info("world size %d (%s), device %s, %d torch threads per process, precision %s",
@@ -263,65 +202,36 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     ds = source.dataset(target, matmul_dtype, tc.loss_on_prompt)
     draft_head = target.lm_head[draft_ids].to(accelerator.device, matmul_dtype)  # [Vd,H]: the teacher's rows
     t2d_dev = t2d.to(accelerator.device)
-    steps_per_epoch = math.ceil(len(ds) / (tc.batch_size * accelerator.num_processes * tc.grad_accum))
-    total_steps = steps_per_epoch * tc.epochs
     objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, **step_options(tc, accelerator.device))
     params = [p for p in objective.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, max(1, int(tc.warmup_ratio * total_steps))))
+    ckpt_root = train_dir / "checkpoints"
+    latest = read_latest(accelerator, ckpt_root)
+    world = accelerator.num_processes
+    step_batches = latest["step_batches"] if latest else world * tc.grad_accum  # the run's batches per step
+    accelerator.gradient_accumulation_steps = accum = accum_for(step_batches, world)
+    if accum * world != step_batches:
+        log.warning("this run's optimizer steps take %d batches, which %d processes cannot split: a step takes %d "
+                    "(grad_accum %d) and the learning-rate schedule continues by samples", step_batches, world,
+                    accum * world, accum)
     if accelerator.state.deepspeed_plugin is not None:  # "auto" needs a prepared loader; ours are per epoch
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.batch_size
-    objective, opt, sched = accelerator.prepare(objective, opt, sched)
-
-    ckpt_root, metrics_path = train_dir / "checkpoints", train_dir / "metrics.jsonl"
-    step, start_epoch, skip = resume(accelerator, ckpt_root, metrics_path)
+    objective, opt = accelerator.prepare(objective, opt)
+    step, epoch, epoch_samples = 0, 0, 0
+    if latest:
+        load_checkpoint(accelerator, ckpt_root, latest, [train_dir / "metrics.jsonl", train_dir / "samples.jsonl"])
+        step, epoch, epoch_samples = latest["step"], latest["epoch"], latest["epoch_samples"]
     if tc.wandb_mode != "disabled":  # the mode travels with the run, not through a process-wide env var
         accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg), init_kwargs={
             "wandb": {"dir": str(train_dir), "name": cfg.name, "mode": tc.wandb_mode}})
-    window = None  # per-step loss / accuracy sums of the micro-batches since the last log line
     probe = TauProbe(cfg, source.model if tc.source == "online" and tc.tau_every else None)  # one target copy
-    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
-    for epoch in range(start_epoch, tc.epochs):
-        dl = epoch_loader(ds, source.lengths, cfg, epoch, accelerator)
-        if skip:
-            dl = accelerator.skip_first_batches(dl, skip)
-        for i, batch in enumerate(dl, start=skip):
-            batch = source.complete(batch)  # online: the target's captures of this batch
-            with accelerator.accumulate(objective):
-                mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
-                teacher = teacher_targets(batch["final"], mask, draft_head, t2d_dev, batch["argmax"])
-                aux = batch["aux"]
-                if tc.aux_noise:  # in units of each raw aux feature's RMS
-                    aux = aux + (torch.rand_like(aux) * 2 - 1) * tc.aux_noise * raw_rms
-                loss, m = objective(aux, batch["input_ids"], mask, teacher)
-                stop_if_not_finite(loss, "loss", step + 1, epoch, batch["ids"], source)
-                window = m if window is None else {k: window[k] + v for k, v in m.items()}
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    norm = accelerator.clip_grad_norm_(objective.parameters(), tc.grad_clip)
-                    if norm is not None:
-                        stop_if_not_finite(norm, "gradient norm", step + 1, epoch, batch["ids"], source)
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            bar.update(1)
-            measure_tau = probe.due(step, total_steps)
-            if step % tc.log_every == 0 or step == total_steps or measure_tau:  # .item() (a sync) only here
-                extra = probe.measure(accelerator, objective) if measure_tau else {}
-                row = log_metrics(accelerator, metrics_path, step, epoch, sched.get_last_lr()[0], window, tc.loss_decay,
-                                  extra)
-                window = None
-                bar.set_postfix({k: f"{row[k]:.3f}" for k in ("loss", "acc_0", "tau") if k in row})
-            if tc.save_every and step % tc.save_every == 0:
-                save_checkpoint(accelerator, ckpt_root, step, epoch, i + 1)
-        skip = 0
-        if not tc.save_every:
-            save_checkpoint(accelerator, ckpt_root, step, epoch + 1, 0)
-    bar.close()
+    f = Fit(cfg, accelerator, objective, opt, source, ds, probe, (draft_head, t2d_dev, raw_rms), train_dir,
+            step_batches, accum)
+    step, stopped = fit(f, step, epoch, epoch_samples)
     accelerator.end_training()
-    if accelerator.is_main_process:
+    if stopped:
+        log.info("stopped after %d steps of this launch (train.stop_after): rerun to continue from step %d, "
+                 "on any number of processes", tc.stop_after, step)
+    elif accelerator.is_main_process:
         export(cfg, accelerator.unwrap_model(objective).drafter, source, step, coverage, settings, runtime)
     return out
