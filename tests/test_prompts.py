@@ -32,21 +32,25 @@ def test_real_sharegpt_recovers_every_complete_record(sharegpt):
     assert stats["truncated_tail_bytes"] > 0
     assert stats["kept"] == len(prompts) > 10_000
     assert stats["kept"] + sum(stats["skipped"].values()) == stats["records"], stats
-    assert stats["skipped"]["empty_conversation"] == 126
+    assert stats["skipped"] == {"empty_conversation": 126, "bad_value": 70, "no_user_turn": 148}
+    assert stats["leading_assistant_dropped"] == 6172  # chunks of long chats that start mid-chat
     assert len({p.id for p in prompts}) == len(prompts)
     roles = {m["role"] for p in prompts for m in p.messages}
     assert roles == {"system", "user", "assistant"}
     for p in prompts:
         head = p.first_user_turn
-        assert head[-1]["role"] == "user" and len(head) <= 2, p.id
+        assert head[-1]["role"] == "user" and len(head) <= 2 and head[0]["role"] != "assistant", p.id
 
 
 def test_truncated_file_and_skip_reasons(tmp_path):
     good = [_record("a", ("human", "hi"), ("gpt", "hello")),
-            _record("b", ("system", "be brief"), ("user", "q"), ("chatgpt", "a"))]
+            _record("b", ("system", "be brief"), ("user", "q"), ("chatgpt", "a")),
+            _record("h", ("gpt", "the answer to an earlier chunk"), ("human", "hi"), ("gpt", "hello")),
+            _record("i", ("system", "be brief"), ("bard", "earlier answer"), ("human", "q"))]
     bad = [_record("c", ("human", "hi"), ("robot", "beep")),  # unknown role
            {"id": "d", "conversations": []},
-           _record("e", ("gpt", "I start"), ("human", "hi")),
+           _record("e", ("gpt", "I answer alone")),
+           _record("s", ("system", "be brief")),  # no user turn either
            _record("f", ("human", "")),  # empty value
            {"conversations": [{"from": "human", "value": "no id"}]},
            _record("a", ("human", "again"))]  # duplicate id
@@ -56,13 +60,16 @@ def test_truncated_file_and_skip_reasons(tmp_path):
     path.write_text(f"[\n{body},\n{cut}", encoding="utf-8")
 
     prompts, stats = load_sharegpt(path)
-    assert [p.id for p in prompts] == ["a", "b"]
+    assert [p.id for p in prompts] == ["a", "b", "h", "i"]  # ids kept as they are: the split doesn't move
+    assert prompts[2].messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert [m["content"] for m in prompts[3].messages] == ["be brief", "q"]
     assert prompts[1].messages[0] == {"role": "system", "content": "be brief"}
     assert [m["role"] for m in prompts[1].messages] == ["system", "user", "assistant"]
     assert prompts[1].first_user_turn == prompts[1].messages[:2]
     assert stats["records"] == len(good + bad)
     assert stats["truncated_tail_bytes"] == len(",\n" + cut)
-    assert stats["skipped"] == {"unknown_role": 1, "empty_conversation": 1, "not_user_first": 1,
+    assert stats["leading_assistant_dropped"] == 2
+    assert stats["skipped"] == {"unknown_role": 1, "empty_conversation": 1, "no_user_turn": 2,
                                 "bad_value": 1, "missing_field": 1, "duplicate_id": 1}
 
 
@@ -120,9 +127,11 @@ def test_mt_bench_file():
 def test_prompt_and_sharegpt_lines_and_json_list(tmp_path):
     jsonl = tmp_path / "mine.jsonl"
     jsonl.write_text('{"prompt": "one"}\n\n{"prompt": "two", "id": "x"}\n'
-                     + json.dumps(_record("s", ("human", "three"))) + "\n")
-    assert [(p.id, p.messages[-1]["content"]) for p in load_prompt_file(jsonl)] == [
-        ("1", "one"), ("x", "two"), ("s", "three")]
+                     + json.dumps(_record("s", ("human", "three"))) + "\n"
+                     + json.dumps(_record("t", ("gpt", "an earlier answer"), ("human", "four"))) + "\n")
+    assert [(p.id, p.messages) for p in load_prompt_file(jsonl)] == [
+        ("1", [{"role": "user", "content": "one"}]), ("x", [{"role": "user", "content": "two"}]),
+        ("s", [{"role": "user", "content": "three"}]), ("t", [{"role": "user", "content": "four"}])]
     js = tmp_path / "list.json"
     js.write_text(json.dumps([_record("a", ("human", "hi")), _record("b", ("human", "yo"))], indent=1))
     assert [p.id for p in load_prompt_file(js)] == ["a", "b"]
@@ -135,8 +144,7 @@ BAD_LINES = {
     "unknown role": '{"prompt": "ok"}\n{"id": "s", "conversations": [{"from": "robot", "value": "x"}]}\n',
     "expected an object": '{"prompt": "ok"}\n{"question": "where are the turns?"}\n',
     "non-empty list": '{"prompt": "ok"}\n{"question_id": 3, "turns": []}\n',
-    "does not start with a user turn": '{"prompt": "ok"}\n'
-                                       '{"id": "s", "conversations": [{"from": "gpt", "value": "x"}]}\n',
+    "has no user turn": '{"prompt": "ok"}\n{"id": "s", "conversations": [{"from": "gpt", "value": "x"}]}\n',
     "duplicate id": '{"prompt": "ok", "id": "1"}\n{"prompt": "again", "id": "1"}\n',
 }
 
