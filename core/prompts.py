@@ -142,13 +142,16 @@ def default_sharegpt_path() -> Path:
 def load_sharegpt(path: Path | None = None) -> tuple[list[Prompt], dict]:
     """Every complete, valid ShareGPT conversation in `path` (default: the packaged file), plus
     stats = {"records", "kept", "skipped": {reason: count}, "leading_assistant_dropped", "truncated_tail_bytes"};
-    leading_assistant_dropped counts the kept conversations whose opening answer was dropped."""
+    leading_assistant_dropped counts the kept conversations whose opening answer was dropped. Those come
+    last (each group in file order): a run that takes the first N prompts takes whole conversations first,
+    the same ones it took before mid-chat chunks were kept (their first question often lacks its context)."""
     path = Path(path) if path is not None else default_sharegpt_path()
     text, undecoded = _read_utf8_prefix(path)
-    prompts: list[Prompt] = []
+    whole: list[Prompt] = []
+    trimmed: list[Prompt] = []  # opened with an answer, dropped
     seen: set[str] = set()
     skipped: Counter[str] = Counter()
-    records = trimmed = 0
+    records = 0
     last_end = array_start(text, path)
     for _, end, record in iter_json_array(text, last_end):
         records, last_end = records + 1, end
@@ -161,12 +164,12 @@ def load_sharegpt(path: Path | None = None) -> tuple[list[Prompt], dict]:
             skipped["duplicate_id"] += 1
             continue
         seen.add(prompt.id)
-        prompts.append(prompt)
-        trimmed += len(prompt.messages) < len(record["conversations"])  # only leading answers are dropped
-    stats = {"records": records, "kept": len(prompts), "skipped": dict(skipped), "leading_assistant_dropped": trimmed,
+        (trimmed if len(prompt.messages) < len(record["conversations"]) else whole).append(prompt)
+    prompts = whole + trimmed
+    stats = {"records": records, "kept": len(prompts), "skipped": dict(skipped), "leading_assistant_dropped": len(trimmed),
              "truncated_tail_bytes": _tail_bytes(text, last_end, undecoded)}
     log.info("ShareGPT %s: %d complete records, kept %d (%d without their leading answer), skipped %s, "
-             "truncated tail %d bytes", path.name, records, len(prompts), trimmed, stats["skipped"],
+             "truncated tail %d bytes", path.name, records, len(prompts), len(trimmed), stats["skipped"],
              stats["truncated_tail_bytes"])
     return prompts, stats
 

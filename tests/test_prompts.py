@@ -73,6 +73,16 @@ def test_truncated_file_and_skip_reasons(tmp_path):
                                 "bad_value": 1, "missing_field": 1, "duplicate_id": 1}
 
 
+def test_whole_conversations_come_before_mid_chat_chunks(tmp_path):
+    """A run that takes the first N prompts takes the same whole conversations as before chunks were kept."""
+    records = [_record("h", ("gpt", "earlier answer"), ("human", "more")), _record("a", ("human", "hi")),
+               _record("i", ("gpt", "earlier answer"), ("human", "go on")), _record("b", ("human", "q"))]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records), encoding="utf-8")
+    prompts, stats = load_sharegpt(path)
+    assert [p.id for p in prompts] == ["a", "b", "h", "i"] and stats["leading_assistant_dropped"] == 2
+
+
 def test_well_formed_file_has_no_tail(tmp_path):
     path = tmp_path / "ok.json"
     path.write_text(json.dumps([_record("a", ("human", "hi"))], indent=2) + "\n")
