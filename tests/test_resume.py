@@ -112,10 +112,13 @@ def shards(overfit_tiny, tmp_path):
     return new_run
 
 
-def train_on(processes: int, run_dir: Path, *extra: str) -> str:
-    """`python -m train` (1) or `accelerate launch --multi_gpu --num_processes N -m train` -> its stderr."""
+def train_on(processes: int, run_dir: Path, *extra: str, torchrun: bool = False) -> str:
+    """`python -m train` (1), `accelerate launch --multi_gpu --num_processes N -m train` or `torchrun
+    --nproc_per_node N -m train` -> its stderr."""
+    bin_dir = Path(sys.executable).parent
     launcher = [sys.executable] if processes == 1 else [
-        str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", str(processes),
+        str(bin_dir / "torchrun"), "--nproc_per_node", str(processes)] if torchrun else [
+        str(bin_dir / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(processes),
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     proc = subprocess.run([*launcher, "-m", "train", *flags(run_dir, *WORLD_TRAIN, *extra)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -173,8 +176,10 @@ def test_one_process_stop_and_two_processes_finish_every_sample_once(shards):
     ref, run = shards("ref"), shards("run")
     train_on(1, ref)
     train_on(1, run, "train.stop_after=4")  # 3 steps per epoch: stops after batch 0 of epoch 1, an odd position
-    log = train_on(2, run)
+    log = train_on(2, run, torchrun=True)  # torchrun's CPU processes train as one gloo group too (issue 11 item 6)
     assert "resumed from step-0000004" in log and "written by 1 process(es), now 2" in log
+    runtime = json.loads((run / "train/manifest.json").read_text())["runtime"]
+    assert runtime["world_size"] == 2 and runtime["distributed"].endswith("MULTI_CPU") and "world size 2" in log
     assert "which 2 processes cannot split" in log  # one batch per step can't be split: steps take two now
     rows, ref_rows = assert_each_sample_once_per_epoch(run), jsonl(ref / "train/samples.jsonl")
     # Steps 5-7: [b1 b2] of epoch 1, then [b0 b1], [b2 + empty] of epoch 2; every batch in the run's order.

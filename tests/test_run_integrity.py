@@ -6,7 +6,6 @@ traceback without the file. Every stage runs through its CLI on a copy of the ti
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import struct
@@ -154,21 +153,7 @@ def test_a_second_train_in_the_same_run_dir_fails_at_once_naming_the_first(run):
         first.wait()
 
 
-# 6. multi-process training on CPU ----------------------------------------------------------------
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU launch path")
-def test_torchrun_two_cpu_processes_train_as_one_gloo_group(run):
-    run_dir, flags = run
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", "-m", "train", *flags, "--fresh",
-                           "train.epochs=2"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    manifest = json.loads((run_dir / "train" / "manifest.json").read_text())
-    assert manifest["runtime"]["world_size"] == 2 and manifest["runtime"]["distributed"].endswith("MULTI_CPU")
-    assert manifest["counts"]["steps"] == 4  # 12 samples / (batch 4 x 2 processes) = 2 steps per epoch
-    assert "world size 2" in proc.stderr
-
+# 6. multi-process training on CPU (torchrun and accelerate launch --multi_gpu: tests/test_resume.py) -------
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU launch path")
 def test_accelerate_launch_that_would_run_one_process_is_refused(run):
