@@ -219,8 +219,8 @@ def _from_dict(cls, data: dict, where: str):
     if unknown:
         prefix = f"{where}." if where else ""
         raise ValueError(f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(names))})")
-    # YAML 1.1 reads a bare `no` (e.g. mixed_precision: no) as false: a str field means the string
-    data = {k: "no" if v is False and hints[k] is str else v for k, v in data.items()}
+    # YAML 1.1 reads a bare `no` / `yes` (e.g. compile: yes) as false / true: a str field means the string
+    data = {k: {False: "no", True: "yes"}[v] if isinstance(v, bool) and hints[k] is str else v for k, v in data.items()}
     kwargs = {k: _check_value(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
     return check_ranges(cls(**kwargs), where)
 
