@@ -62,9 +62,9 @@ def test_yaml_bare_no_and_yes_are_the_strings(tmp_path):
     as the strings they meant."""
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  mixed_precision: no\nextract:\n  mixed_precision: no\n")
-    cfg = load_config(path, ["train.compile=yes"])
+    cfg = load_config(path, ["train.compile=yes", "data_gen.compile=no"])
     assert cfg.train.mixed_precision == "no" and cfg.extract.mixed_precision == "no"
-    assert cfg.train.compile == "yes"
+    assert cfg.train.compile == "yes" and cfg.data_gen.compile == "no"
 
 
 def test_check_compat_refuses_a_missing_or_different_key(tmp_path):
