@@ -1,7 +1,8 @@
 """The decode engine of data_gen (batched generation) and eval (baseline and speculative decoding: a
 chain or an EAGLE-2 tree of drafts, greedy or sampled): one target call (`target_forward`) over one
-static KV cache type, split like gpt-fast into `prefill`, `decode_one`, `verify` / `verify_tree`,
-plus the drafter's static `DraftCache`.
+static KV cache type, split like gpt-fast into `prefill`, `decode_one`, `verify` / `verify_tree`, plus
+the drafter's static `DraftCache`. Batched generation decodes through core/decode_step.py's
+`DecodeStep`: decode_one's call without the host-side cache seek, so that it can replay as a CUDA graph.
 
 Why not `model.generate`: speculative decoding needs the aux hidden states of every verified
 position, cache rollback after a rejected draft and per-round acceptance counts, and a speedup is
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, StaticCache
 
+from core.decode_step import DecodeStep
 from core.draft_tree import DraftTree, TreeSpec, draft_tree
 from core.drafter import DraftCache, Eagle3Drafter
 from core.errors import UserError
@@ -103,38 +105,62 @@ def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def left_padded(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts right-aligned in one batch, built on the host and moved once -> (ids, mask, positions) [B,W]."""
+    b, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), pos.to(device)
+
+
+def _finished(tokens: list[int], stop_ids: set[int]) -> Generation:
+    """A row's tokens up to and including its first stop id ("stop"), or all of them ("length")."""
+    end = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), None)
+    return Generation(tokens[:end], "stop" if end else "length")
+
+
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
              temperature: float = 0.0, generator: torch.Generator | None = None,
-             bf16_prefill: bool = False) -> list[Generation]:
-    """Batched generation with left padding: prefill, then decode_one until every row has hit a stop
-    id (kept in its tokens) or max_new_tokens. Batch 1 is eval's greedy baseline."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens = {max_new_tokens}; must be >= 1")
+             bf16_prefill: bool = False, graphs: bool = False, check_every: int = 16) -> list[Generation]:
+    """Batched generation with left padding: prefill, then one `DecodeStep` per token (graphs: replayed
+    as a CUDA graph) until every row has hit a stop id (kept in its tokens) or max_new_tokens. Batch 1
+    is eval's greedy baseline. Tokens stay on the device until the end, and "is every row done?" is
+    asked only every `check_every` steps (each ask waits for the device); rows keep decoding past their
+    stop meanwhile, and those tokens are dropped. At T>0 the generator is then wound back to where a
+    loop that stops at once would leave it, so neither check_every nor graphs changes what is drawn
+    next (generator=None: the global RNG is not wound back)."""
+    if max_new_tokens < 1 or check_every < 1:
+        raise ValueError(f"max_new_tokens = {max_new_tokens}, check_every = {check_every}; both must be >= 1")
     device = model.device
-    b, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(b, width, dtype=torch.long, device=device)
-    mask = torch.zeros(b, width, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, device=device)
-        mask[i, width - len(p):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    next_pos = pos[:, -1:] + 1
-    stop = torch.tensor(stop_ids, device=device)
+    ids, mask, pos = left_padded(prompts, device)
+    b, width = ids.shape
     cache = new_cache(model, width + max_new_tokens)
     logits, _ = prefill(model, cache, ids, mask, pos, bf16=bf16_prefill)
-    out = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool, device=device)
-    for step in range(max_new_tokens):
-        nxt = _sample(logits, temperature, generator)
-        for i in torch.nonzero(~done).flatten().tolist():
-            out[i].append(int(nxt[i]))
-        done |= torch.isin(nxt, stop)
-        if bool(done.all()) or step + 1 == max_new_tokens:
+    step = DecodeStep(model, cache, torch.cat([mask, mask.new_ones(b, max_new_tokens)], 1), pos[:, -1:] + 1, graphs)
+    out = torch.empty(b, max_new_tokens, dtype=torch.long, device=device)
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    states, since = [], 0  # the generator's state after each draw since the last check, from step `since`
+    for i in range(max_new_tokens):
+        out[:, i] = _sample(logits, temperature, generator)
+        if temperature > 0 and generator is not None:
+            states.append(generator.get_state())
+        if i + 1 == max_new_tokens:
             break
-        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], dim=1)
-        logits = decode_one(model, cache, nxt, width + step, mask, next_pos + step)
-    return [Generation(t, "stop" if t and t[-1] in stop_ids else "length") for t in out]
+        if (i + 1) % check_every == 0:
+            if bool(torch.isin(out[:, :i + 1], stop).any(-1).all()):
+                break
+            states, since = [], i + 1
+        logits = step(out[:, i])
+    stops = set(stop_ids)
+    rows = [_finished(r, stops) for r in out[:, :i + 1].tolist()]
+    if states:  # the stopping loop's last draw: the step at which its last row finished
+        generator.set_state(states[max(len(r.tokens) for r in rows) - 1 - since])
+    return rows
 
 
 def draft_chain(drafter: Eagle3Drafter, logits: torch.Tensor, hidden: torch.Tensor, m: int, steps: int,

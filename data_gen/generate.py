@@ -43,7 +43,8 @@ PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "He
 def check_options(cfg: RunConfig) -> None:
     dg = cfg.data_gen
     for key, value, allowed in (("backend", dg.backend, ("hf", "openai")), ("reasoning", dg.reasoning,
-                                ("drop", "field", "render")), ("on_bad_record", dg.on_bad_record, ("strict", "skip"))):
+                                ("drop", "field", "render")), ("on_bad_record", dg.on_bad_record, ("strict", "skip")),
+                                ("compile", dg.compile, ("auto", "yes", "no"))):
         if value not in allowed:
             raise UserError(f"data_gen.{key} = {value!r}: use one of {' | '.join(allowed)}")
     if dg.backend == "openai" and not dg.base_url:
@@ -51,6 +52,14 @@ def check_options(cfg: RunConfig) -> None:
                          "e.g. data_gen.base_url=http://127.0.0.1:30000/v1")
     if dg.n < 1 or dg.max_turns < 0:
         raise UserError(f"data_gen.n must be >= 1 and data_gen.max_turns >= 0 (got {dg.n}, {dg.max_turns})")
+
+
+def decode_graphs(dg, device: torch.device) -> bool:
+    """data_gen.compile -> whether the hf backend replays its decode steps as CUDA graphs."""
+    if dg.compile == "yes" and device.type != "cuda":
+        raise UserError(f"data_gen.compile = yes needs a CUDA target device (CUDA graphs), not {device}: "
+                        "use data_gen.compile=auto or no")
+    return device.type == "cuda" if dg.compile == "auto" else dg.compile == "yes"
 
 
 def end_of_turn_strings(cfg: RunConfig, tok, generation_config) -> list[str]:
@@ -243,8 +252,10 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
     try:
         if dg.backend == "hf":
             stop = sorted(set(end_of_turn_ids(tok, gen_cfg)) | set(tok.convert_tokens_to_ids(eot)))
+            graphs = decode_graphs(dg, model.device)
+            log.info("hf backend on %s: decode steps %s", model.device, "as CUDA graphs" if graphs else "eager")
             backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, dg.batch_size, cfg.seed,
-                                resolve_precision(dg.mixed_precision) == "bf16")
+                                resolve_precision(dg.mixed_precision) == "bf16", graphs)
             run_hf(todo, backend, tok, cfg, sink, bar)
         else:
             failed = asyncio.run(run_openai(todo, tok, cfg, sink, bar))

@@ -11,7 +11,7 @@ Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, 
 found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S1-S2 and T1-T2 issue
 10's speculative sampling and draft trees, F1-F4 issue 13's fast TTT step (flex block mask, fused loss,
 checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W4 its resume onto another
-number of processes.
+number of processes, G1-G4 issue 14's static batched generation loop.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ FAST = ("tests/test_ttt_fast_paths.py",)
 NORM_FC = ("tests/test_drafter.py",)
 TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_output",)
 ONLINE = ("tests/test_train_online.py",)
+STATIC = ("tests/test_generate_static.py",)
 MUTANTS = [
     Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/checkpoint.py",
            '    accelerator.load_state(str(ckpt_root / latest["path"]))\n', "", RESUME),
@@ -156,6 +157,14 @@ MUTANTS = [
     Mutant("B5", "convert_drafter does not check the GGUF's norm_before_fc", "eval/llamacpp.py",
            "    if gguf_norm_before_fc(gguf) != want:", "    if False:",
            ("tests/test_llamacpp_export.py::test_conversion_that_loses_norm_before_fc_is_refused",)),
+    Mutant("G1", "batched sampling leaves the generator past the draws the plain loop makes", "core/decode.py",
+           "        generator.set_state(states[", "        (states[", STATIC),
+    Mutant("G2", "the every-N-steps done check never ends the loop", "core/decode.py",
+           "            if bool(torch.isin(out[:, :i + 1], stop).any(-1).all()):", "            if False:", STATIC),
+    Mutant("G3", "the static mask hides the generated tokens' slots", "core/decode.py",
+           "mask.new_ones(b, max_new_tokens)", "mask.new_zeros(b, max_new_tokens)", STATIC),
+    Mutant("G4", "decode positions never advance", "core/decode_step.py", "        self.positions.add_(1)\n", "",
+           STATIC),
 ]
 
 

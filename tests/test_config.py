@@ -57,12 +57,14 @@ def test_stage_help_lists_its_own_keys_and_the_shared_ones():
     assert re.search(r"^\s+train\.tau_every =", text, re.M)
 
 
-def test_yaml_bare_no_is_the_string_no(tmp_path):
-    """YAML 1.1 reads `mixed_precision: no` as false; the schema takes it as the string it meant."""
+def test_yaml_bare_no_and_yes_are_the_strings(tmp_path):
+    """YAML 1.1 reads `mixed_precision: no` as false and `compile: yes` as true; the schema takes them
+    as the strings they meant."""
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  mixed_precision: no\nextract:\n  mixed_precision: no\n")
-    cfg = load_config(path)
+    cfg = load_config(path, ["train.compile=yes", "data_gen.compile=no"])
     assert cfg.train.mixed_precision == "no" and cfg.extract.mixed_precision == "no"
+    assert cfg.train.compile == "yes" and cfg.data_gen.compile == "no"
 
 
 def test_check_compat_refuses_a_missing_or_different_key(tmp_path):

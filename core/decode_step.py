@@ -1,0 +1,64 @@
+"""One batched decode step over static buffers, run eagerly or replayed as a CUDA graph
+(core/decode.py `generate`; data_gen.compile switches the graph on).
+
+Why a CUDA graph: a decode step of a small target is hundreds of small kernels launched one by one
+from Python through HF's 30-layer forward, so on a GPU it costs the launches, not the math
+(SmolLM2 at batch 256 on an H200: 77 ms a step). A captured graph launches the very same kernels in
+one call, so its logits are bitwise the eager step's, which torch.compile's fusions would not promise.
+What makes one capture replayable: every input sits at a fixed address and everything that changes
+between steps changes on the device. The token is copied into `token`; the positions and the static
+cache's write slot (transformers' StaticLayer.cumulative_length, which its update advances in place)
+move by one inside the step; the padding mask spans the whole cache from the start.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import StaticCache
+
+from core.errors import UserError
+
+
+class DecodeStep:
+    """Feeds one token per row [B] at the cache's next slot -> next-token logits [B,V]."""
+
+    def __init__(self, model, cache: StaticCache, mask: torch.Tensor, positions: torch.Tensor, graphs: bool):
+        """mask [B, cache length]: the prompt's padding, then ones (causality hides the slots not yet
+        written, so the mask never changes); positions [B,1]: the next token's, one more each step."""
+        if graphs and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the target is on {model.device}")
+        self.model, self.cache, self.mask, self.positions, self.graphs = model, cache, mask, positions, graphs
+        self.token = torch.zeros_like(positions)  # [B,1]
+        self.graph, self.logits = None, None
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        self.token.copy_(token[:, None])
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        return self._capture() if self.graphs else self._forward()
+
+    def _forward(self) -> torch.Tensor:
+        out = self.model(input_ids=self.token, attention_mask=self.mask, position_ids=self.positions,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.positions.add_(1)
+        return out.logits[:, -1]
+
+    def _capture(self) -> torch.Tensor:
+        """Run this step eagerly on a side stream (cuBLAS and the allocator warm up outside the capture),
+        then record the next one: a capture executes nothing, so the cache and positions stay as the
+        eager step left them, and every later call replays the recording."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits = self._forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.logits = self._forward()
+        except RuntimeError as e:
+            raise UserError(f"CUDA graph capture of the decode step failed ({e}); this target's forward is not "
+                            "capturable: decode without graphs (data_gen.compile=no)") from e
+        self.graph = graph
+        return logits

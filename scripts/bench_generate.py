@@ -1,0 +1,147 @@
+"""Batched generation speed (core/decode.generate, data_gen's hf backend) against the memory-bandwidth
+bound, eager and replayed as CUDA graphs, beside HF `model.generate`; fails if the paths disagree.
+
+    python scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 \
+        --batch 1 16 64 256 --prompt-len 128 --new-tokens 128 --out bench_generate.json
+
+Paths: eager (data_gen.compile=no: every kernel launched from Python, the loop without graphs),
+graphs (data_gen.compile=yes, CUDA only), hf (`model.generate`, greedy, its dynamic cache). Random
+prompts of prompt-len/2..prompt-len tokens, left padded; no stop ids, so every row decodes
+new-tokens; T=0. A call is timed whole (prefill, graph capture, decode; what data_gen waits for),
+warm-up excluded, median of --repeats; decode ms/step leaves out a prefill timed alone. The bound:
+a decode step reads every weight once and each row's K/V up to its length, at --bandwidth GB/s
+(default: a large copy on the device). Exits 1 if the graph path's tokens differ from the eager path's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from core.config import load_config  # noqa: E402
+from core.decode import generate, left_padded, new_cache, prefill  # noqa: E402
+from core.errors import UserError  # noqa: E402
+from core.target import load_target  # noqa: E402
+from scripts.benchmark import copy_bandwidth, sync, timed  # noqa: E402
+
+
+def measured(fn, device, repeats: int):
+    """-> (the warm-up call's result, median seconds of `repeats` more calls)."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return result, statistics.median(times)
+
+
+def bound_seconds(model, lengths: list[int], new: int, bandwidth: float) -> float:
+    """Decode steps 1..new-1 at `bandwidth` bytes/s: step s reads the weights once and, per row, the K/V
+    of its prompt and s generated tokens."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize  # bytes per token
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(weights + kv * sum(n + s for n in lengths) for s in range(1, new)) / bandwidth
+
+
+def one_path(model, path: str, prompts: list[list[int]], new: int):
+    """-> a function generating the tokens of every row along `path`."""
+    if path != "hf":
+        return lambda: [g.tokens for g in generate(model, prompts, new, [], graphs=path == "graphs")]
+    ids, mask, _ = left_padded(prompts, model.device)
+    return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                  pad_token_id=0)[:, ids.shape[1]:].tolist()
+
+
+def bench_batch(model, paths: list[str], b: int, prompt_len: int, new: int, bandwidth: float, repeats: int) -> list[dict]:
+    g = torch.Generator().manual_seed(b)
+    lengths = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (b,), generator=g).tolist()
+    prompts = [torch.randint(100, model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    ids, mask, pos = left_padded(prompts, model.device)
+    with torch.inference_mode():
+        t_prefill = timed(lambda: prefill(model, new_cache(model, ids.shape[1] + new), ids, mask, pos), model.device)
+    bound = bound_seconds(model, lengths, new, bandwidth)
+    rows, eager = [], None
+    for path in paths:
+        row = {"path": path, "batch": b, "prompt_len": prompt_len, "new_tokens": new}
+        try:
+            tokens, t = measured(one_path(model, path, prompts, new), model.device, repeats)
+        except UserError as e:  # a graph capture that failed: reported, and the run exits 1
+            rows.append({**row, "error": str(e)})
+            continue
+        eager = tokens if path == "eager" else eager
+        decode = max(t - t_prefill, 1e-9)
+        rows.append({**row, "s_per_call": t, "tok_s": b * new / t, "decode_ms_per_step": 1e3 * decode / max(1, new - 1),
+                     "of_bound": bound / decode,
+                     "rows_equal_eager": None if eager is None else sum(x == y for x, y in zip(tokens, eager, strict=True))})
+    return rows
+
+
+def report(rows: list[dict]) -> str:
+    lines = [f"{'path':7}{'batch':>6}{'prompt':>7}{'new':>5}{'s/call':>9}{'tok/s':>10}{'ms/step':>9}{'of bound':>9}"
+             "  tokens"]
+    for r in rows:
+        head = f"{r['path']:7}{r['batch']:>6}{r['prompt_len']:>7}{r['new_tokens']:>5}"
+        if "error" in r:
+            lines.append(f"{head}  FAILED: {r['error']}")
+            continue
+        same = r["rows_equal_eager"]
+        tokens = ("" if r["path"] == "eager" else f"{same}/{r['batch']} rows equal eager"
+                  + (" MISMATCH" if r["path"] == "graphs" and same != r["batch"] else ""))
+        lines.append(f"{head}{r['s_per_call']:>9.3f}{r['tok_s']:>10.0f}{r['decode_ms_per_step']:>9.2f}"
+                     f"{r['of_bound']:>9.1%}  {tokens}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m-instruct", help="alias or local HF model dir (core/target.py)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--paths", nargs="+", choices=["eager", "graphs", "hf"], default=None,
+                   help="default: eager, graphs (CUDA only) and hf")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--bandwidth", type=float, default=0.0, help="peak GB/s; 0 = measure a large copy")
+    p.add_argument("--out", default="", help="write the rows as JSON here")
+    args = p.parse_args()
+    cfg = load_config(None, [f"target.model={args.target}", f"target.dtype={args.dtype}", f"target.device={args.device}"])
+    model, _ = load_target(cfg)
+    cuda = model.device.type == "cuda"
+    paths = args.paths or (["eager", "graphs", "hf"] if cuda else ["eager", "hf"])
+    if "graphs" in paths and not cuda:
+        p.error("--paths graphs needs a CUDA device")
+    bandwidth = args.bandwidth * 1e9 or copy_bandwidth(model.device)
+    name = torch.cuda.get_device_name(model.device) if cuda else f"{torch.get_num_threads()} threads"
+    print(f"{args.target} {model.dtype} on {model.device} ({name}), bandwidth {bandwidth / 1e9:.0f} GB/s"
+          f"{'' if args.bandwidth else ' (copy)'}; bound = weights + K/V up to each length, read once a step")
+    rows = [r for b in args.batch for r in bench_batch(model, paths, b, args.prompt_len, args.new_tokens, bandwidth,
+                                                        args.repeats)]
+    print(report(rows))
+    bad = [r for r in rows if r["path"] == "graphs" and ("error" in r or r["rows_equal_eager"] != r["batch"])]
+    if args.out:
+        Path(args.out).write_text(json.dumps({"target": args.target, "dtype": args.dtype, "device": str(model.device),
+                                              "device_name": name, "bandwidth_gbs": bandwidth / 1e9,
+                                              "graphs_equal_eager": not bad, "rows": rows}, indent=1) + "\n")
+    if bad:
+        sys.exit(f"FAIL: the CUDA-graph path differs from the eager path (or failed) at batch "
+                 f"{sorted({r['batch'] for r in bad})}")
+    if "graphs" in paths:
+        print("graphs == eager token for token at every batch size (T=0)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Batched generation's static loop (core/decode.generate over core/decode_step.DecodeStep) against the
+plain loop it replaced, restated below: the same tokens at T=0, and at T>0 the same draws with the
+generator left where the plain loop leaves it, whatever the interval of the "every row done?" check."""
+
+import pytest
+import torch
+
+import core.decode_step
+from core.chat import prompt_ids
+from core.config import load_config
+from core.decode import decode_one, generate, new_cache, prefill
+from core.target import load_target
+from data_gen.generate import decode_graphs, generation_settings
+from tests.conftest import ROOT
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = load_target(load_config(ROOT / "configs/tiny-random-llama.yaml"))
+    prompts = [prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    assert len({len(p) for p in prompts}) == len(prompts)  # every row padded differently
+    return model, prompts
+
+
+def plain_generate(model, prompts, n, stop_ids, temperature=0.0, generator=None) -> list[list[int]]:
+    """The loop before the static one: a mask grown by one column a step, every row's token read on the
+    host every step, and the loop left as soon as every row has hit a stop id."""
+    b, width, device = len(prompts), max(len(p) for p in prompts), model.device
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = new_cache(model, width + n)
+    with torch.inference_mode():
+        logits, _ = prefill(model, cache, ids, mask, pos)
+        out, done = [[] for _ in prompts], [False] * b
+        for step in range(n):
+            if temperature > 0:
+                nxt = torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator)[:, 0]
+            else:
+                nxt = logits.argmax(-1)
+            for i, t in enumerate(nxt.tolist()):
+                if not done[i]:
+                    out[i].append(t)
+                    done[i] = t in stop_ids
+            if all(done) or step + 1 == n:
+                break
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], 1)
+            logits = decode_one(model, cache, nxt, width + step, mask, pos[:, -1:] + 1 + step)
+    return out
+
+
+def stops_at(free: list[list[int]], at: dict[int, int]) -> list[int]:
+    """Stop ids that end row r at its token at[r] (picked from the rows' unstopped output)."""
+    return sorted({free[r][i] for r, i in at.items()})
+
+
+def count_steps(monkeypatch) -> list[int]:
+    calls = []
+    step = core.decode_step.DecodeStep.__call__
+    monkeypatch.setattr(core.decode_step.DecodeStep, "__call__", lambda self, t: (calls.append(1), step(self, t))[1])
+    return calls
+
+
+@pytest.mark.parametrize("check_every", [1, 5, 16])
+def test_greedy_rows_that_stop_early_or_run_to_the_limit_equal_the_plain_loop(tiny, check_every):
+    model, prompts = tiny
+    stop = stops_at(plain_generate(model, prompts, 12, []), {0: 2, 1: 5})
+    want = plain_generate(model, prompts, 12, stop)
+    assert [len(t) for t in want] == [3, 6, 12, 12]
+    got = generate(model, prompts, 12, stop, check_every=check_every)
+    assert [g.tokens for g in got] == want
+    assert [g.finish_reason for g in got] == ["stop", "stop", "length", "length"]
+
+
+def test_the_loop_ends_at_the_first_check_after_every_row_stopped(tiny, monkeypatch):
+    model, prompts = tiny
+    stop = stops_at(plain_generate(model, prompts, 16, []), {0: 2, 1: 6, 2: 4, 3: 1})
+    want = plain_generate(model, prompts, 16, stop)
+    assert max(len(t) for t in want) == 7  # the last row stops at step 6
+    steps = count_steps(monkeypatch)
+    assert [g.tokens for g in generate(model, prompts, 16, stop, check_every=4)] == want
+    assert len(steps) == 7  # steps 0..6 decode; the check after step 7 sees every row done
+    steps.clear()
+    assert [g.tokens for g in generate(model, prompts, 16, [], check_every=4)] == plain_generate(model, prompts, 16, [])
+    assert len(steps) == 15  # no stop: every step but the last decodes
+
+
+@pytest.mark.parametrize("check_every", [1, 4, 32])
+def test_sampling_draws_as_the_plain_loop_and_leaves_the_generator_where_it_would(tiny, check_every):
+    model, prompts = tiny
+    free = plain_generate(model, prompts, 16, [], 1.0, torch.Generator(model.device).manual_seed(3))
+    stop = stops_at(free, {0: 2, 1: 9, 2: 5, 3: 6})  # every row stops, the last at step 9, between checks
+    plain_rng = torch.Generator(model.device).manual_seed(3)
+    want = plain_generate(model, prompts, 16, stop, 1.0, plain_rng)
+    assert max(len(t) for t in want) == 10 and len({len(t) for t in want}) > 2
+    rng = torch.Generator(model.device).manual_seed(3)
+    assert [g.tokens for g in generate(model, prompts, 16, stop, 1.0, rng, check_every=check_every)] == want
+    assert torch.equal(rng.get_state(), plain_rng.get_state())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replay_writes_the_eager_tokens(tiny):
+    _, prompts = tiny
+    model, _ = load_target(load_config(ROOT / "configs/tiny-random-llama.yaml"), torch.device("cuda"))
+    stop = stops_at(plain_generate(model, prompts, 24, []), {0: 3, 1: 10})
+    eager = generate(model, prompts, 24, stop)
+    assert [g.tokens for g in generate(model, prompts, 24, stop, graphs=True)] == [g.tokens for g in eager]
+    assert [len(g.tokens) for g in eager][:2] == [4, 11]
+    rngs = [torch.Generator("cuda").manual_seed(5) for _ in range(2)]
+    sampled = [[g.tokens for g in generate(model, prompts, 24, stop, 1.0, rng, graphs=graphs)]
+               for rng, graphs in zip(rngs, (False, True), strict=True)]
+    assert sampled[0] == sampled[1] and torch.equal(rngs[0].get_state(), rngs[1].get_state())
+
+
+def test_data_gen_compile_changes_how_not_what(tiny_cfg):
+    on, off = (load_config(ROOT / "configs/tiny-random-llama.yaml", [f"data_gen.compile={v}"]) for v in ("yes", "no"))
+    assert generation_settings(on, "t") == generation_settings(off, "t")
+    cpu = torch.device("cpu")
+    assert not decode_graphs(off.data_gen, cpu) and not decode_graphs(tiny_cfg.data_gen, cpu)  # auto: off on CPU
+    with pytest.raises(ValueError, match="data_gen.compile"):
+        decode_graphs(on.data_gen, cpu)
