@@ -60,30 +60,31 @@ for phase in "$@"; do
     bounded train --config $CFG --run-dir $RUN ;;
   bench)  # each stage's figure against its limit, on this machine (docs/PERFORMANCE.md)
     mkdir -p $S/logs
-    "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype float32 --batch-sizes 1,64,256 \
-      --out $S/logs/bench_generate.json 2>&1 | tee $S/logs/bench_generate.log
+    "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch 256 512 \
+      --paths eager graphs --repeats 1 --out $S/logs/bench_generate.json 2>&1 | tee $S/logs/bench_generate.log
     "$PY" scripts/bench_extract.py --config $CFG --device cuda --dtype float32 2>&1 | tee $S/logs/bench_extract.log ;;
   eval)  # batch-1 decoding leaves the GPU mostly idle: the settings run side by side, one process each
     mt=$S/mt_bench.jsonl pids=()
-    ev() { local out=$1; shift; "$PY" -m eval --config $CFG --run-dir $RUN --out $RUN/evals/$out "$@" \
+    ev() { local out=$1; shift; timeout "${EVAL_S:-300}" "$PY" -m eval --config $CFG --run-dir $RUN --out $RUN/evals/$out "$@" \
              > $RUN/evals/$out.log 2>&1 & pids+=($!); }
     mkdir -p $RUN/evals
     ev mt_bench_k7 --prompts $mt eval.draft_steps=7
-    ev mt_bench_k5 --prompts $mt eval.draft_steps=5
-    ev mt_bench_k3 --prompts $mt eval.draft_steps=3
-    ev mt_bench_tree --prompts $mt "eval.draft_tree=[6,8,48]"
-    ev mt_bench_k7_t1 --prompts $mt eval.draft_steps=7 eval.temperature=1.0
+    ev mt_bench_k5 --prompts $mt eval.draft_steps=5 --max-prompts ${EVAL_N:-12}
+    ev mt_bench_k3 --prompts $mt eval.draft_steps=3 --max-prompts ${EVAL_N:-12}
+    ev mt_bench_tree --prompts $mt "eval.draft_tree=[6,8,48]" --max-prompts ${EVAL_N:-12}
+    ev mt_bench_k7_t1 --prompts $mt eval.draft_steps=7 eval.temperature=1.0 --max-prompts ${EVAL_N:-12}
     ev sharegpt_k7 eval.draft_steps=7
-    ev sharegpt_k3 eval.draft_steps=3
+    ev sharegpt_k3 eval.draft_steps=3 --max-prompts ${EVAL_N:-12}
     rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
     tail -n 3 $RUN/evals/*.log; [ $rc -eq 0 ] ;;
   pack)  # what comes back: the drafter, its report and curves, the logs
     out=${OUT:?pack writes to \$OUT}/headline
-    mkdir -p $out && cp -r $RUN/drafter $out/
+    mkdir -p $out/evals && cp -r $RUN/drafter $out/
     cp $RUN/train/metrics.jsonl $RUN/train/curves.png $RUN/train/manifest.json $out/
     cp $RUN/conversations/summary.json $RUN/conversations/manifest.json $out/ 2>/dev/null || true
     for d in $RUN/evals/*/; do n=$(basename $d); mkdir -p $out/evals/$n; cp $d/report.* $d/*.png $out/evals/$n/ 2>/dev/null || true; done
-    cp $RUN/evals/*.log $out/evals/ && cp -r $S/logs $out/ ;;
+    cp $RUN/evals/*.log $out/evals/ 2>/dev/null || true
+    cp -r $S/logs $out/ ;;
   *) echo "unknown phase $phase (pack-inputs stash setup generate train bench eval pack)" >&2; exit 2 ;;
   esac
 done
