@@ -6,7 +6,7 @@
 #   device: scripts/headline_gpu.sh stash            # carry .gpurun/a: keep it on the machine
 #           scripts/headline_gpu.sh setup generate   # carry .gpurun/b: wheels, target, ShareGPT; data_gen
 #           scripts/headline_gpu.sh generate train   # each phase resumes where a cut-off command stopped
-#           scripts/headline_gpu.sh eval pack        # MT-Bench + held-out ShareGPT evals; results to $OUT
+#           scripts/headline_gpu.sh pack eval pack   # results to $OUT; again after the evals (if cut off, the first stays)
 #
 # State lives in .gpustash/ (ignored; kept between commands while the machine stays warm). A phase cut off
 # by PHASE_S seconds exits 0 and the next command reruns it: data_gen commits parts, train checkpoints.
@@ -77,14 +77,13 @@ for phase in "$@"; do
     ev sharegpt_k3 eval.draft_steps=3 --max-prompts ${EVAL_N:-12}
     rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
     tail -n 3 $RUN/evals/*.log; [ $rc -eq 0 ] ;;
-  pack)  # what comes back: the drafter, its report and curves, the logs
-    out=${OUT:?pack writes to \$OUT}/headline
-    mkdir -p $out/evals && cp -r $RUN/drafter $out/
-    cp $RUN/train/metrics.jsonl $RUN/train/curves.png $RUN/train/manifest.json $out/
-    cp $RUN/conversations/summary.json $RUN/conversations/manifest.json $out/ 2>/dev/null || true
-    for d in $RUN/evals/*/; do n=$(basename $d); mkdir -p $out/evals/$n; cp $d/report.* $d/*.png $out/evals/$n/ 2>/dev/null || true; done
-    cp $RUN/evals/*.log $out/evals/ 2>/dev/null || true
-    cp -r $S/logs $out/ ;;
+  pack)  # what comes back (at most 8 files of 16 MiB): one tar.xz of the results, cut into 15 MB parts
+    # here: cat headline.tar.xz.* | tar -xJ   (the drafter, train curves/metrics/manifest, data summary, evals, logs)
+    : "${OUT:?pack writes to \$OUT}"
+    (cd $S && tar -cJf - --ignore-failed-read run/drafter run/train/metrics.jsonl run/train/curves.png \
+       run/train/manifest.json run/conversations/summary.json run/conversations/manifest.json run/evals logs) |
+      split -b 15000000 - "$OUT/headline.tar.xz."
+    ls -la "$OUT" ;;
   *) echo "unknown phase $phase (pack-inputs stash setup generate train bench eval pack)" >&2; exit 2 ;;
   esac
 done
