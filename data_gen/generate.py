@@ -30,10 +30,11 @@ from core.manifest import open_stage_dir, write_manifest
 from core.prompts import load_prompts
 from core.stage_lock import stage_lock
 from core.target import end_of_turn_ids, load_target, load_tokenizer, resolve_precision, resolve_target
+from data_gen.batch_pool import answer_parts
 from data_gen.chat_tokenize import TemplateError, template_renders_reasoning, tokenize_conversation
 from data_gen.conversation import Regeneration, regenerations, to_rows
 from data_gen.hf_backend import HFBackend
-from data_gen.openai_client import ChatClient, RequestRejected, RetriesExhausted
+from data_gen.openai_client import ChatClient, Reply, RequestRejected, RetriesExhausted
 
 log = logging.getLogger("data_gen")
 PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
@@ -116,21 +117,25 @@ def request_ids(conv: Regeneration, tok, dg) -> list[int] | None:
 
 
 def run_hf(todo: list[Regeneration], backend: HFBackend, tok, cfg: RunConfig, sink: PartSink, bar) -> None:
-    """Turn-synchronous batches: every conversation of a part answers turn 1, then turn 2, ..."""
+    """Full batches from one pool of requests across parts (data_gen/batch_pool.py); parts commit in order."""
     dg, has_reasoning = cfg.data_gen, backend_template_reasoning(tok, cfg)
-    for start in range(0, len(todo), dg.part_samples):
-        active = todo[start:start + dg.part_samples]
-        while active:
-            pending = [(c, ids) for c in active if (ids := request_ids(c, tok, dg)) is not None]
-            first_turn = all(c.answered == 0 for c, _ in pending)
-            replies = backend.answer([ids for _, ids in pending], bar.update if first_turn else None)
-            for (c, _), r in zip(pending, replies, strict=True):
-                c.add_reply(r, dg.reasoning, has_reasoning)
-            active = [c for c, _ in pending]
-        for c in todo[start:start + dg.part_samples]:
-            sink.add(c)
+
+    def advance(conv: Regeneration, reply: Reply | None) -> list[int] | None:
+        if reply is not None:
+            conv.add_reply(reply, dg.reasoning, has_reasoning)
+        ids = request_ids(conv, tok, dg)
+        if ids is None:
+            bar.update(1)
+        return ids
+
+    def commit(part: list[Regeneration]) -> None:
+        for conv in part:
+            sink.add(conv)
         sink.flush()
         bar.set_postfix(samples=sink.stats["samples"], tokens=sink.stats["tokens"])
+
+    parts = [todo[s:s + dg.part_samples] for s in range(0, len(todo), dg.part_samples)]
+    answer_parts(parts, dg.batch_size, advance, backend.answer, commit)
 
 
 async def run_openai(todo: list[Regeneration], tok, cfg: RunConfig, sink: PartSink, bar) -> Counter:
@@ -254,7 +259,7 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
             stop = sorted(set(end_of_turn_ids(tok, gen_cfg)) | set(tok.convert_tokens_to_ids(eot)))
             graphs = decode_graphs(dg, model.device)
             log.info("hf backend on %s: decode steps %s", model.device, "as CUDA graphs" if graphs else "eager")
-            backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, dg.batch_size, cfg.seed,
+            backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, cfg.seed,
                                 resolve_precision(dg.mixed_precision) == "bf16", graphs)
             run_hf(todo, backend, tok, cfg, sink, bar)
         else:

@@ -11,7 +11,8 @@ Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, 
 found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S1-S2 and T1-T2 issue
 10's speculative sampling and draft trees, F1-F4 issue 13's fast TTT step (flex block mask, fused loss,
 checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W4 its resume onto another
-number of processes, G1-G4 issue 14's static batched generation loop.
+number of processes, G1-G4 issue 14's static batched generation loop, P1-P3 data_gen's pool of
+requests across parts (full `hf` calls).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ NORM_FC = ("tests/test_drafter.py",)
 TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_output",)
 ONLINE = ("tests/test_train_online.py",)
 STATIC = ("tests/test_generate_static.py",)
+POOL = ("tests/test_data_gen_hf_pool.py",)
 MUTANTS = [
     Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/checkpoint.py",
            '    accelerator.load_state(str(ckpt_root / latest["path"]))\n', "", RESUME),
@@ -165,6 +167,13 @@ MUTANTS = [
            "mask.new_ones(b, max_new_tokens)", "mask.new_zeros(b, max_new_tokens)", STATIC),
     Mutant("G4", "decode positions never advance", "core/decode_step.py", "        self.positions.add_(1)\n", "",
            STATIC),
+    Mutant("P1", "a part is committed once any one of its conversations is finished", "data_gen/batch_pool.py",
+           "running[committed] == 0:", "running[committed] < len(parts[committed]):", POOL),
+    Mutant("P2", "no pool across parts: the next part is let in only when nothing is pending (turn-synchronous)",
+           "data_gen/batch_pool.py", "while len(pending) < batch_size and admitted", "while not pending and admitted",
+           POOL),
+    Mutant("P3", "calls take the latest parts' requests first", "data_gen/batch_pool.py",
+           "pending.sort(key=lambda r: r[0])", "pending.sort(key=lambda r: -r[0])", POOL),
 ]
 
 

@@ -1,0 +1,120 @@
+"""data_gen's `hf` backend schedule (data_gen/batch_pool.py) with a scripted backend in place of the target
+(a test double): full calls across parts, the same rows as answering each conversation alone, parts
+committed whole and in order through a stop and a rerun."""
+
+import hashlib
+import json
+import math
+
+import pyarrow.parquet as pq
+import pytest
+
+from core.config import load_config
+from core.conversations import part_files
+from core.prompts import load_prompts
+from core.target import load_target
+from data_gen import generate
+from data_gen.conversation import regenerations, to_rows
+from data_gen.openai_client import Reply
+from tests.conftest import ROOT
+
+TURNS = [1, 6, 2, 5, 3, 4, 6, 1, 5, 2, 4, 3]  # user turns of each conversation; parts of 4, batch 4
+BATCH = 4
+FIELDS = ("id", "messages", "input_ids", "loss_mask", "finish_reason")
+
+
+class Stopped(Exception):
+    """What the double raises in place of a kill."""
+
+
+def scripted_reply(ids: list[int]) -> Reply:
+    """A reply that depends only on the prompt's ids: an answer given to the wrong request shows."""
+    h = hashlib.sha256(repr(ids).encode()).hexdigest()[:8]
+    return Reply(f"Answer {h} to {len(ids)} tokens.", "", "length" if int(h, 16) % 3 == 0 else "stop", 8)
+
+
+class ScriptedBackend:
+    """Test double for data_gen.hf_backend.HFBackend: scripted replies, every call's size recorded;
+    call number `stop_at` (0-based) raises Stopped instead of answering."""
+
+    def __init__(self, stop_at: int | None = None):
+        self.calls: list[int] = []
+        self.stop_at = stop_at
+
+    def answer(self, prompts: list[list[int]]) -> list[Reply]:
+        assert 0 < len(prompts) <= BATCH, len(prompts)
+        if len(self.calls) == self.stop_at:
+            raise Stopped
+        self.calls.append(len(prompts))
+        return [scripted_reply(ids) for ids in prompts]
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    with (tmp_path / "p.jsonl").open("w") as f:
+        for i, turns in enumerate(TURNS):  # first turns of one token length: data_gen keeps the file order
+            conv = [m for t in range(turns) for m in ({"from": "human", "value": f"Question {t + 1} of conv {i:02d}?"},
+                                                       {"from": "gpt", "value": "an old answer"})]
+            f.write(json.dumps({"id": f"c{i:02d}", "conversations": conv}) + "\n")
+    return load_config(ROOT / "configs/tiny-random-llama.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"data_gen.prompts={tmp_path / 'p.jsonl'}", "data_gen.heldout_percent=0",
+        f"data_gen.num_samples={len(TURNS)}", "data_gen.max_turns=0", f"data_gen.batch_size={BATCH}",
+        "data_gen.part_samples=4"])
+
+
+def run(cfg, monkeypatch, backend: ScriptedBackend) -> None:
+    monkeypatch.setattr(generate, "HFBackend", lambda *args: backend)
+    generate.main(cfg)
+
+
+def written(cfg) -> list[list[dict]]:
+    """Each committed part file's rows, in order."""
+    return [[{k: r[k] for k in FIELDS} for r in pq.read_table(f).to_pylist()]
+            for f in part_files(cfg.run_path / "conversations")]
+
+
+def answered_alone(cfg):
+    """Every conversation answered by itself, turn after turn, with the double's replies -> (their rows in
+    parts of 4, in the file's order: what the turn-synchronous loop commits; their assistant turns)."""
+    model, tok = load_target(cfg)
+    dg, reasoning = cfg.data_gen, generate.backend_template_reasoning(tok, cfg)
+    eot = generate.end_of_turn_strings(cfg, tok, model.generation_config)
+    convs = [c for p in load_prompts(dg.prompts, "train", 0) for c in regenerations(p, 0, 1, None)]
+    for c in convs:
+        while (ids := generate.request_ids(c, tok, dg)) is not None:
+            c.add_reply(scripted_reply(ids), dg.reasoning, reasoning)
+    rows = [[{k: r[k] for k in FIELDS} for r in to_rows(c, tok, eot, dg.reasoning, {}, "m", "h")] for c in convs]
+    return [sum(rows[i:i + 4], []) for i in range(0, len(rows), 4)], [c.answered for c in convs]
+
+
+def test_pooled_calls_write_what_answering_each_conversation_alone_writes(cfg, monkeypatch):
+    backend = ScriptedBackend()
+    run(cfg, monkeypatch, backend)
+    parts, answered = answered_alone(cfg)
+    assert answered == TURNS and {r["finish_reason"] for p in parts for r in p} == {"stop", "length"}
+    assert written(cfg) == parts  # the same rows, parts and order as the turn-synchronous loop
+    assert sum(backend.calls) == sum(TURNS)  # each turn answered once
+
+
+def test_every_call_is_full_until_the_last_conversations_run_out(cfg, monkeypatch):
+    backend = ScriptedBackend()
+    run(cfg, monkeypatch, backend)
+    total = sum(TURNS)  # 42 answers: 11 calls at the least
+    turn_synchronous = sum(max(TURNS[i:i + 4]) for i in range(0, len(TURNS), 4))  # a call per turn of each part
+    assert turn_synchronous == 17 and math.ceil(total / BATCH) == 11
+    # 12 calls: full ones, then the last part's longest conversations once nothing is left to admit
+    assert backend.calls == [BATCH] * 9 + [3, 2, 1]
+
+
+# Earliest parts first: part 0 is done after call 6 (its 6-turn conversation is in every call), part 1 after 9.
+@pytest.mark.parametrize(("stop_at", "whole_parts"), [(3, 0), (7, 1), (10, 2)])
+def test_a_stopped_run_leaves_whole_parts_in_order_and_a_rerun_finishes_the_rest(cfg, monkeypatch, stop_at,
+                                                                                  whole_parts):
+    with pytest.raises(Stopped):
+        run(cfg, monkeypatch, ScriptedBackend(stop_at))
+    parts, answered = answered_alone(cfg)
+    assert written(cfg) == parts[:whole_parts]  # committed as soon as done, whole, earliest first
+    rerun = ScriptedBackend()
+    run(cfg, monkeypatch, rerun)
+    assert written(cfg) == parts  # nothing lost, nothing twice
+    assert sum(rerun.calls) == sum(answered[4 * whole_parts:])  # only the uncommitted parts are redone
