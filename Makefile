@@ -55,7 +55,7 @@ demo: setup
 # Two workers, one torch thread each (whole test files per worker, so module fixtures are built once):
 # 10-11 min instead of 18 on a 2-core CPU; many tests wait on a subprocess's startup, not on the CPU.
 test: setup llamacpp
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check .
