@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,20 +27,7 @@ from core.config import load_config  # noqa: E402
 from core.decode import generate, left_padded, new_cache, prefill  # noqa: E402
 from core.errors import UserError  # noqa: E402
 from core.target import load_target  # noqa: E402
-from scripts.benchmark import copy_bandwidth, sync, timed  # noqa: E402
-
-
-def measured(fn, device, repeats: int):
-    """-> (the warm-up call's result, median seconds of `repeats` more calls)."""
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return result, statistics.median(times)
+from scripts.benchmark import copy_bandwidth, measured, timed  # noqa: E402
 
 
 def bound_seconds(model, lengths: list[int], new: int, bandwidth: float) -> float:

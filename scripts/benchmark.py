@@ -34,8 +34,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fn, device, repeats=3) -> float:
-    fn()  # warm-up
+def measured(fn, device, repeats: int = 3):
+    """-> (the warm-up call's result, median seconds of `repeats` more calls)."""
+    result = fn()
     times = []
     for _ in range(repeats):
         sync(device)
@@ -43,7 +44,11 @@ def timed(fn, device, repeats=3) -> float:
         fn()
         sync(device)
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return result, statistics.median(times)
+
+
+def timed(fn, device, repeats=3) -> float:
+    return measured(fn, device, repeats)[1]
 
 
 def matmul_peak(device, dtype) -> float:
