@@ -249,12 +249,12 @@ def _emitted(candidates: list[int], stop_ids: list[int], budget: int) -> list[in
     return candidates[:budget]
 
 
-@torch.inference_mode()
 def acceptance_length(accept_lengths: list[int]) -> float:
     """τ: mean tokens per target verification (accepted drafts + the target's own token)."""
     return sum(accept_lengths) / max(1, len(accept_lengths))
 
 
+@torch.inference_mode()
 def speculative_generate(model, drafter: Eagle3Drafter, prompt: list[int], max_new_tokens: int,
                          stop_ids: list[int], draft_steps: int, tree: TreeSpec | None = None,
                          temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:
