@@ -36,7 +36,7 @@ class Fit:
     source: object  # ShardSource | OnlineSource (train/data.py): ds's samples, lengths, complete(batch), where(ids)
     ds: torch.utils.data.Dataset  # source.dataset(...)
     probe: TauProbe
-    head: tuple  # (the teacher's draft-vocab rows [Vd,H], t2d, aux_scale) on the device
+    head: tuple  # (the teacher's draft-vocab rows [Vd,H], t2d, the raw aux RMS: train.aux_noise's unit) on the device
     train_dir: Path
     step_batches: int  # batches per optimizer step at the run's first launch
     accum: int  # micro-batches per rank per step in this launch
@@ -103,8 +103,8 @@ def log_samples(f: Fit, step: int) -> None:
 
 
 def log_metrics(f: Fit, row: dict) -> dict:
-    """row ({"step", "epoch", "samples", "lr"}, τ where measured) + the per-step sums since the last line, summed across
-    ranks, then divided (step_metrics)."""
+    """row ({"step", "epoch", "samples", "lr"}, τ where measured) + the per-step sums since the last line,
+    summed across ranks, then divided (step_metrics)."""
     sums = {k: f.accelerator.reduce(v, "sum") for k, v in f.window.items()}
     row = {**row, **step_metrics(sums, f.cfg.train.loss_decay)}
     f.accelerator.log(row, step=row["step"])
