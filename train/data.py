@@ -126,20 +126,24 @@ def slot_batches(ds: Dataset, batches: list[list[int]], slots: list, device: tor
 
 
 @torch.no_grad()
-def aux_rms(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], where: str, norm=None) -> torch.Tensor:
-    """Per-feature RMS of aux [3H] (of norm(aux) when a norm is given: fc's input with norm_before_fc) over
-    the assistant positions (where massive-activation sink tokens, e.g. the first token, are rare) of
-    (aux [T,3H], loss_mask [T]) pairs: the first AUX_RMS_SAMPLES samples, from shards or from online
-    captures. where: what the samples are, for the error."""
-    total, count = None, 0
+def aux_rms(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], where: str,
+            norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-feature RMS of aux [3H] over the assistant positions (where massive-activation sink tokens, e.g.
+    the first token, are rare) of (aux [T,3H], loss_mask [T]) pairs: the first AUX_RMS_SAMPLES samples, from
+    shards or from online captures -> (RMS of the raw aux, RMS of fc's input: norm(aux) when a norm is given
+    (norm_before_fc), else the raw one), in one pass (online, each pass is a target forward per batch).
+    where: what the samples are, for the error."""
+    raw, normed, count = 0, 0, 0
     for aux, loss_mask in samples:
         a = aux[loss_mask.bool()].float()
-        a = a if norm is None else norm(a)
-        total = a.pow(2).sum(0) if total is None else total + a.pow(2).sum(0)
+        raw = raw + a.pow(2).sum(0)
+        if norm is not None:
+            normed = normed + norm(a).pow(2).sum(0)
         count += a.shape[0]
     if not count:
         raise UserError(f"{where}: no assistant tokens in the first {AUX_RMS_SAMPLES} samples")
-    return (total / count).sqrt().clamp(min=1e-3)
+    raw = (raw / count).sqrt().clamp(min=1e-3)
+    return raw, raw if norm is None else (normed / count).sqrt().clamp(min=1e-3)
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -192,10 +192,10 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     log.info("%d samples / %d tokens (train.source=%s); draft vocab %d covers %.2f%% of assistant tokens",
              len(source.ids), source.num_tokens(), tc.source, draft_ids.numel(), 100 * coverage)
     drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target)
-    raw_rms = aux_rms(source.aux_samples(), str(source.dir))  # per aux feature: the unit of train.aux_noise
-    with torch.no_grad():  # the preconditioner is measured on fc's input (core/drafter.py)
-        drafter.aux_scale.copy_(raw_rms if drafter.input_norm is None else
-                                aux_rms(source.aux_samples(), str(source.dir), drafter.input_norm))
+    # per aux feature: the raw RMS is train.aux_noise's unit; the preconditioner is fc's input's (core/drafter.py)
+    raw_rms, fc_input_rms = aux_rms(source.aux_samples(), str(source.dir), drafter.input_norm)
+    with torch.no_grad():
+        drafter.aux_scale.copy_(fc_input_rms)
     frozen_to_matmul_dtype(drafter, precision)
     raw_rms = raw_rms.to(accelerator.device)
     matmul_dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # bf16 is ~2.7x faster where native
