@@ -4,12 +4,16 @@
 #
 #   here:   scripts/headline_gpu.sh pack-inputs      # .gpurun/a (GGUF, part 1), .gpurun/b (the rest)
 #   device: scripts/headline_gpu.sh stash            # carry .gpurun/a: keep it on the machine
-#           scripts/headline_gpu.sh setup generate   # carry .gpurun/b: wheels, target, ShareGPT; data_gen
-#           scripts/headline_gpu.sh generate train   # each phase resumes where a cut-off command stopped
-#           scripts/headline_gpu.sh pack eval pack   # results to $OUT; again after the evals (if cut off, the first stays)
+#           scripts/headline_gpu.sh setup start wait # carry .gpurun/b: wheels, target, ShareGPT; then the
+#                                                    # pipeline runs on in the background (setsid), past the command
+#           scripts/headline_gpu.sh wait             # follow it for WAIT_S seconds (as many commands as it takes)
+#           PACK=1 scripts/headline_gpu.sh wait      # the last: whatever is done goes to $OUT
+# Or phase by phase, each in the foreground: generate, train, eval, bench, results.
 #
-# State lives in .gpustash/ (ignored; kept between commands while the machine stays warm). A phase cut off
-# by PHASE_S seconds exits 0 and the next command reruns it: data_gen commits parts, train checkpoints.
+# The background pipeline (`start`) gives each phase a time budget, so the whole run fits one device
+# session: generate for GEN_S seconds (whole parts are committed; a cut-off run trains on those), train
+# for as many epochs as fit TRAIN_S at TRAIN_TOK_S tokens/s (at least one), then eval, then the stage
+# benchmarks (PIPELINE: another list of phases). State lives in .gpustash/ (ignored; kept between commands while the machine stays warm).
 set -euo pipefail  # pipefail: `bounded` reads the stage's exit status through its tee
 cd "$(dirname "$0")/.."
 S=$(realpath -m "${STASH:-.gpustash}") RUN=$S/run CFG=${CFG:-configs/smollm2-135m-instruct-gpu.yaml}
@@ -24,6 +28,7 @@ bounded() {
   local rc=0
   mkdir -p "$S/logs"
   timeout "${PHASE_S:-500}" "$PY" -m "$@" 2>&1 | tee -a "$S/logs/$1.log" || rc=$?
+  if [ "$rc" -eq 124 ] && [ -n "${CUT_OK:-}" ]; then echo "== $1 stopped after ${PHASE_S:-500} s, as planned"; return 0; fi
   if [ "$rc" -eq 124 ]; then echo "== $1 cut off after ${PHASE_S:-500} s: rerun from this phase to continue"; exit 0; fi
   return "$rc"
 }
@@ -56,19 +61,44 @@ for phase in "$@"; do
     $PY -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)" || true ;;
   generate)
     bounded data_gen --config $CFG --run-dir $RUN ;;
+  generate-for)  # data_gen for GEN_S seconds; what it committed by then is the training data
+    PHASE_S=${GEN_S:-330} CUT_OK=1 bounded data_gen --config $CFG --run-dir $RUN ;;
   train)
-    bounded train --config $CFG --run-dir $RUN ;;
-  bench)  # each stage's figure against its limit, on this machine (docs/PERFORMANCE.md)
+    bounded train --config $CFG --run-dir $RUN ${EPOCHS:+train.epochs=$EPOCHS} ;;
+  train-for)  # as many epochs as fit TRAIN_S at TRAIN_TOK_S (dense attention, the target's forward included)
+    tokens=$("$PY" -c "import sys, pyarrow.parquet as pq, pathlib
+print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combine_chunks().value_lengths().to_pylist())
+          for f in sorted(pathlib.Path(sys.argv[1]).glob('part-*.parquet'))))" $RUN/conversations)
+    EPOCHS=$(( (2 * ${TRAIN_S:-480} * ${TRAIN_TOK_S:-30000} / (tokens > 0 ? tokens : 1) + 1) / 2 ))  # rounded
+    EPOCHS=$(( EPOCHS < 1 ? 1 : (EPOCHS > ${MAX_EPOCHS:-6} ? ${MAX_EPOCHS:-6} : EPOCHS) ))
+    echo "== $tokens tokens of conversations: $EPOCHS epochs"
+    PHASE_S=$(( ${TRAIN_S:-480} * 2 )) bounded train --config $CFG --run-dir $RUN train.epochs=$EPOCHS ;;
+  start)  # the rest of the run in the background, from a copy of the code (a later command's sync can't touch it)
+    rm -rf $S/code $S/done && mkdir -p $S/code $S/logs && cp -r core data_gen extract train eval scripts configs $S/code/
+    (cd $S/code && STASH=$S setsid nohup bash scripts/headline_gpu.sh ${PIPELINE:-generate-for train-for results eval \
+       results bench results} > $S/logs/pipeline.log 2>&1 < /dev/null; echo "rc $?" > $S/done) > /dev/null 2>&1 &
+    echo "pipeline started (log: $S/logs/pipeline.log)" ;;
+  wait)  # follow the background pipeline for WAIT_S seconds or to its end; PACK=1: then pack what there is
+    end=$(( $(date +%s) + ${WAIT_S:-540} )) seen=0
+    while :; do
+      n=$(wc -l < $S/logs/pipeline.log); [ "$n" -gt "$seen" ] && sed -n "$((seen + 1)),${n}p" $S/logs/pipeline.log | grep -v '%|' | cut -c1-300; seen=$n
+      [ -f $S/done ] && { cat $S/done; break; }
+      [ "$(date +%s)" -ge "$end" ] && { echo "== still running at $(date +%T)"; break; }
+      sleep 5
+    done
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader || true
+    if [ -n "${PACK:-}" ]; then exec "$0" pack; fi ;;
+  bench)  # each stage's figure against its limit, on this machine (docs/PERFORMANCE.md), real SmolLM2 weights
     mkdir -p $S/logs
-    "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch 256 512 \
-      --paths eager graphs --repeats 1 --out $S/logs/bench_generate.json 2>&1 | tee $S/logs/bench_generate.log
-    "$PY" scripts/bench_extract.py --config $CFG --device cuda --dtype float32 2>&1 | tee $S/logs/bench_extract.log ;;
+    timeout 240 "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch 256 512 \
+      --paths eager graphs hf --repeats 1 --out $S/logs/bench_generate.json 2>&1 | tee $S/logs/bench_generate.log || true
+    timeout 180 "$PY" scripts/bench_extract.py --config $CFG --device cuda 2>&1 | tee $S/logs/bench_extract.log || true ;;
   eval)  # batch-1 decoding leaves the GPU mostly idle: the settings run side by side, one process each
     mt=$S/mt_bench.jsonl pids=()
-    ev() { local out=$1; shift; timeout "${EVAL_S:-300}" "$PY" -m eval --config $CFG --run-dir $RUN --out $RUN/evals/$out "$@" \
+    ev() { local out=$1; shift; timeout "${EVAL_S:-240}" "$PY" -m eval --config $CFG --run-dir $RUN --out $RUN/evals/$out "$@" \
              > $RUN/evals/$out.log 2>&1 & pids+=($!); }
     mkdir -p $RUN/evals
-    ev mt_bench_k7 --prompts $mt eval.draft_steps=7
+    ev mt_bench_k7 --prompts $mt eval.draft_steps=7 --max-prompts ${EVAL_N_K7:-40}
     ev mt_bench_k5 --prompts $mt eval.draft_steps=5 --max-prompts ${EVAL_N:-12}
     ev mt_bench_k3 --prompts $mt eval.draft_steps=3 --max-prompts ${EVAL_N:-12}
     ev mt_bench_tree --prompts $mt "eval.draft_tree=[6,8,48]" --max-prompts ${EVAL_N:-12}
@@ -84,6 +114,8 @@ for phase in "$@"; do
        run/train/manifest.json run/conversations/summary.json run/conversations/manifest.json run/evals logs) |
       split -b 15000000 - "$OUT/headline.tar.xz."
     ls -la "$OUT" ;;
-  *) echo "unknown phase $phase (pack-inputs stash setup generate train bench eval pack)" >&2; exit 2 ;;
+  results)  # a marker in the pipeline's log: what `pack` would take is complete up to here
+    echo "== results ready: $(ls $RUN/drafter $RUN/evals 2>/dev/null | tr '\n' ' ')" ;;
+  *) echo "unknown phase $phase (pack-inputs stash setup generate generate-for train train-for start wait bench eval results pack)" >&2; exit 2 ;;
   esac
 done
