@@ -75,13 +75,13 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     PHASE_S=$(( ${TRAIN_S:-480} * 2 )) bounded train --config $CFG --run-dir $RUN train.epochs=$EPOCHS ;;
   start)  # the rest of the run in the background, from a copy of the code (a later command's sync can't touch it)
     rm -rf $S/code $S/done && mkdir -p $S/code $S/logs && cp -r core data_gen extract train eval scripts configs $S/code/
-    (cd $S/code && STASH=$S setsid nohup bash scripts/headline_gpu.sh ${PIPELINE:-generate-for train-for results eval \
-       results bench results} > $S/logs/pipeline.log 2>&1 < /dev/null; echo "rc $?" > $S/done) > /dev/null 2>&1 &
+    (set +e; cd $S/code && STASH=$S setsid nohup bash scripts/headline_gpu.sh ${PIPELINE:-generate-for train-for results \
+       eval results bench results} > $S/logs/pipeline.log 2>&1 < /dev/null; echo "rc $?" > $S/done) > /dev/null 2>&1 &
     echo "pipeline started (log: $S/logs/pipeline.log)" ;;
   wait)  # follow the background pipeline for WAIT_S seconds or to its end; PACK=1: then pack what there is
     end=$(( $(date +%s) + ${WAIT_S:-540} )) seen=0
     while :; do
-      n=$(wc -l < $S/logs/pipeline.log); [ "$n" -gt "$seen" ] && sed -n "$((seen + 1)),${n}p" $S/logs/pipeline.log | grep -v '%|' | cut -c1-300; seen=$n
+      n=$(wc -l < $S/logs/pipeline.log); [ "$n" -gt "$seen" ] && sed -n "$((seen + 1)),${n}p" $S/logs/pipeline.log | { grep -v '%|' || true; } | cut -c1-300; seen=$n
       [ -f $S/done ] && { cat $S/done; break; }
       [ "$(date +%s)" -ge "$end" ] && { echo "== still running at $(date +%T)"; break; }
       sleep 5
