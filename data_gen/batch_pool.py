@@ -18,10 +18,13 @@ A = TypeVar("A")  # its answer
 
 
 def answer_parts(parts: Sequence[Sequence[C]], batch_size: int, advance: Callable[[C, A | None], Q | None],
-                 answer: Callable[[list[Q]], list[A]], commit: Callable[[Sequence[C]], None]) -> None:
+                 answer: Callable[[list[Q]], list[A]], commit: Callable[[Sequence[C]], None],
+                 stop: Callable[[], bool] = lambda: False) -> bool:
     """advance(conv, answer or None at the start) records the answer and returns the conversation's next
     request, or None when it is finished; answer(requests) -> their answers, at most batch_size per call;
-    commit(part) is called for each part, in order."""
+    commit(part) is called for each part, in order. stop() is asked before each call: once it says yes,
+    the conversations already finished in the parts still open are committed together (their rows are
+    kept, the parts' grouping is not; a rerun skips them by id) -> False. True when every part is done."""
     pending: list[tuple[int, C, Q]] = []  # (part index, conversation, request)
     running = [len(p) for p in parts]  # conversations of each part not finished yet
     admitted = committed = 0
@@ -43,7 +46,13 @@ def answer_parts(parts: Sequence[Sequence[C]], batch_size: int, advance: Callabl
             committed += 1
         if not pending:
             assert committed == len(parts), (committed, len(parts))
-            return
+            return True
+        if stop():
+            waiting = {id(conv) for _, conv, _ in pending}
+            finished = [conv for p in parts[committed:admitted] for conv in p if id(conv) not in waiting]
+            if finished:
+                commit(finished)
+            return False
         pending.sort(key=lambda r: r[0])  # stable: earliest parts first, so parts finish roughly in order
         call = pending[:batch_size]
         del pending[:batch_size]

@@ -7,6 +7,8 @@
 Output: <run>/conversations/part-*.parquet (core/conversations.py), summary.json, manifest.json.
 Rerunning resumes: conversations already in a committed part are skipped, nothing is written twice;
 conversations that failed (retries exhausted) are retried, and the run exits non-zero until none fail.
+SIGTERM (`timeout`, a scheduler's notice) stops the `hf` backend after the call in flight, with every
+finished conversation committed, and exits non-zero; kill -9 keeps the parts committed before it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from core.errors import UserError
 from core.manifest import open_stage_dir, write_manifest
 from core.prompts import load_prompts
 from core.stage_lock import stage_lock
+from core.stop_signal import sigterm_requests_stop
 from core.target import end_of_turn_ids, load_target, load_tokenizer, resolve_precision, resolve_target
 from data_gen.batch_pool import answer_parts
 from data_gen.chat_tokenize import TemplateError, template_renders_reasoning, tokenize_conversation
@@ -116,8 +119,9 @@ def request_ids(conv: Regeneration, tok, dg) -> list[int] | None:
     return ids
 
 
-def run_hf(todo: list[Regeneration], backend: HFBackend, tok, cfg: RunConfig, sink: PartSink, bar) -> None:
-    """Full batches from one pool of requests across parts (data_gen/batch_pool.py); parts commit in order."""
+def run_hf(todo: list[Regeneration], backend: HFBackend, tok, cfg: RunConfig, sink: PartSink, bar) -> bool:
+    """Full batches from one pool of requests across parts (data_gen/batch_pool.py); parts commit in order.
+    SIGTERM stops it after the call in flight, with every finished conversation committed -> False."""
     dg, has_reasoning = cfg.data_gen, backend_template_reasoning(tok, cfg)
 
     def advance(conv: Regeneration, reply: Reply | None) -> list[int] | None:
@@ -135,7 +139,8 @@ def run_hf(todo: list[Regeneration], backend: HFBackend, tok, cfg: RunConfig, si
         bar.set_postfix(samples=sink.stats["samples"], tokens=sink.stats["tokens"])
 
     parts = [todo[s:s + dg.part_samples] for s in range(0, len(todo), dg.part_samples)]
-    answer_parts(parts, dg.batch_size, advance, backend.answer, commit)
+    with sigterm_requests_stop() as stop:
+        return answer_parts(parts, dg.batch_size, advance, backend.answer, commit, stop.is_set)
 
 
 async def run_openai(todo: list[Regeneration], tok, cfg: RunConfig, sink: PartSink, bar) -> Counter:
@@ -253,7 +258,7 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
     sink = PartSink(out, dg.part_samples, lambda c: to_rows(c, tok, eot, dg.reasoning, dg.chat_template_kwargs,
                                                             cfg.target.model, thash), dg.drop_truncated)
     bar = tqdm(total=len(todo), desc="generate", unit="conv", smoothing=0.05)
-    t0, failed = time.time(), Counter()
+    t0, failed, completed = time.time(), Counter(), True
     try:
         if dg.backend == "hf":
             stop = sorted(set(end_of_turn_ids(tok, gen_cfg)) | set(tok.convert_tokens_to_ids(eot)))
@@ -261,7 +266,7 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
             log.info("hf backend on %s: decode steps %s", model.device, "as CUDA graphs" if graphs else "eager")
             backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, cfg.seed,
                                 resolve_precision(dg.mixed_precision) == "bf16", graphs)
-            run_hf(todo, backend, tok, cfg, sink, bar)
+            completed = run_hf(todo, backend, tok, cfg, sink, bar)
         else:
             failed = asyncio.run(run_openai(todo, tok, cfg, sink, bar))
     finally:
@@ -275,10 +280,13 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
                "ended_by_now": {k.removeprefix("ended_by_"): v for k, v in s.items() if k.startswith("ended_by_")},
                "input_skipped": dict(skipped), "output_skipped_now": dict(sink.skipped),
                "errors_now": dict(failed), "wall_s": round(time.time() - t0, 1),
-               "conversations_total": len(done_ids(out))}
+               "conversations_total": len(done_ids(out)), **({} if completed else {"stopped_by": "SIGTERM"})}
     atomic_write_json(out / "summary.json", summary)
     write_manifest(out, "data_gen", cfg, compat, summary, {"prompts": dg.prompts}, settings)
     log.info("conversations in %s: %s", out, summary)
+    if not completed:
+        raise UserError(f"stopped by SIGTERM: {summary['conversations_total']} conversations committed (every one finished "
+                        "by then); rerun the same command to continue")
     lost = failed["retries_exhausted"]
     if lost:
         raise UserError(f"{lost} conversations failed after {dg.max_retries} retries (errors: {dict(failed)}); "

@@ -5,12 +5,15 @@ committed whole and in order through a stop and a rerun."""
 import hashlib
 import json
 import math
+import os
+import signal
 
 import pyarrow.parquet as pq
 import pytest
 
 from core.config import load_config
 from core.conversations import part_files
+from core.errors import UserError
 from core.prompts import load_prompts
 from core.target import load_target
 from data_gen import generate
@@ -118,3 +121,42 @@ def test_a_stopped_run_leaves_whole_parts_in_order_and_a_rerun_finishes_the_rest
     run(cfg, monkeypatch, rerun)
     assert written(cfg) == parts  # nothing lost, nothing twice
     assert sum(rerun.calls) == sum(answered[4 * whole_parts:])  # only the uncommitted parts are redone
+
+
+class TermBackend(ScriptedBackend):
+    """The double, receiving SIGTERM (as from `timeout`) during call number `term_at`, which still completes."""
+
+    def __init__(self, term_at: int):
+        super().__init__()
+        self.term_at = term_at
+
+    def answer(self, prompts: list[list[int]]) -> list[Reply]:
+        if len(self.calls) == self.term_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().answer(prompts)
+
+
+@pytest.mark.parametrize("term_at", [2, 5])
+def test_sigterm_commits_every_finished_conversation_and_a_rerun_does_only_the_rest(cfg, monkeypatch, term_at):
+    """A kill at call 3 leaves no part (above); SIGTERM at call 2 stops after it and keeps the conversations
+    that call finished, whole: nothing lost, nothing twice, and the rerun answers only the others' turns."""
+    backend = TermBackend(term_at)
+    with pytest.raises(UserError, match="stopped by SIGTERM"):
+        run(cfg, monkeypatch, backend)
+    assert len(backend.calls) == term_at + 1  # stopped after the call in flight
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the stage's handler is gone
+    parts, answered = answered_alone(cfg)
+    alone = {r["id"]: r for p in parts for r in p}
+    kept = [r for p in written(cfg) for r in p]
+    assert kept and all(r == alone[r["id"]] for r in kept)  # whole conversations, as answered alone
+    assert len({r["id"] for r in kept}) == len(kept)
+    assert len(kept) > 4 * sum(1 for i in range(len(parts)) if all(r["id"] in {k["id"] for k in kept}
+                                                                     for r in parts[i]))  # more than whole parts
+    summary = json.loads((cfg.run_path / "conversations/summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and summary["conversations_total"] == len(kept)
+    rerun = ScriptedBackend()
+    run(cfg, monkeypatch, rerun)
+    rows = [r for p in written(cfg) for r in p]
+    assert sorted(rows, key=lambda r: r["id"]) == sorted(alone.values(), key=lambda r: r["id"])
+    assert sum(rerun.calls) == sum(n for n, p in zip(answered, [r for p in parts for r in p], strict=True)
+                                   if p["id"] not in {k["id"] for k in kept})
