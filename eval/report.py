@@ -14,6 +14,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Tokens two outputs share from the start (where a greedy spec output leaves the baseline's)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def summarize(results: list[dict], draft_steps: int, tree: list[int] | None = None, temperature: float = 0.0) -> dict:
     """τ = mean tokens per verification; draft i (tree: depth i) counts as accepted in a round that
     added > i+1 tokens. At T>0 outputs are samples, so they are not compared with the baseline (None)."""
@@ -31,6 +36,7 @@ def summarize(results: list[dict], draft_steps: int, tree: list[int] | None = No
         "accept_length_histogram": [sum(a == i for a in lengths) for i in range(1, depth + 2)],
         "outputs_match_baseline": all(r["match"] for r in results) if temperature == 0 else None,
         "mismatched_prompts": [r["id"] for r in results if r["match"] is False],
+        "mismatches_agree_for": sorted(r["agree"] for r in results if r["match"] is False and r.get("agree") is not None),
         "tokens_per_s_baseline": tps_base, "tokens_per_s_spec": tps_spec, "speedup": tps_spec / tps_base,
         "num_prompts": len(results), "verify_steps": len(lengths), "generated_tokens": tokens,
         "draft_steps": draft_steps, "draft_tree": tree or None, "drafted_per_verification": tree[2] if tree else draft_steps,
@@ -100,6 +106,13 @@ def _markdown(r: dict) -> str:
     where = "batch 1" if r["engine"] == "hf" else "see the concurrency table"
     match = ("n/a: sampled outputs are not compared" if r["outputs_match_baseline"] is None
              else r["outputs_match_baseline"])
+    if r["outputs_match_baseline"] is False:
+        bad, dtype = r["mismatched_prompts"], r.get("config", {}).get("target", {}).get("dtype", "float32")
+        match = (f"**no**: {r['num_prompts'] - len(bad)}/{r['num_prompts']} prompts identical; the others agree for "
+                 f"their first {', '.join(map(str, r.get('mismatches_agree_for', [])))} tokens"
+                 + (f" ({dtype} target: the K+1-token verification and the one-token baseline step round differently, "
+                    "so near-ties can part; exact equality holds in float32)" if dtype != "float32" else
+                    " (float32: not expected from rounding; a bug until shown otherwise)"))
     text = f"""# EAGLE-3 drafter: speculative decoding report
 
 Target `{r['target']}` on `{r['device']}`, drafter `{r['drafter']}`, prompts `{r['prompts']}`,

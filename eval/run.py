@@ -42,7 +42,7 @@ from core.target import (
     target_info,
 )
 from eval.llamacpp_server import served_by_llamacpp
-from eval.report import server_summary, summarize, write_report
+from eval.report import common_prefix, server_summary, summarize, write_report
 from eval.server_eval import SERVER_TYPES, compare_servers
 
 log = logging.getLogger("eval")
@@ -108,7 +108,9 @@ def hf_eval(cfg: RunConfig, items: list[tuple[str, list[int]]], draft_dir: Path)
         base, t_base = _timed(lambda ids=ids: generate(model, [ids], n, stop, t, g)[0])
         out, t_spec = _timed(lambda ids=ids: spec(ids, n))
         results.append({"id": pid, "prompt_tokens": len(ids), "tokens": len(out.tokens),
-                        "match": base.tokens == out.tokens if t == 0 else None, "accept_lengths": out.accept_lengths,
+                        "match": base.tokens == out.tokens if t == 0 else None,
+                        "agree": common_prefix(base.tokens, out.tokens) if t == 0 else None,
+                        "accept_lengths": out.accept_lengths,
                         "text": tok.decode(out.tokens, skip_special_tokens=True),
                         "time_baseline_s": t_base, "time_spec_s": t_spec, "baseline_tokens": len(base.tokens)})
     return {**summarize(results, k, ev.draft_tree, t), "device": str(model.device)}, results

@@ -7,7 +7,7 @@ from core.chat import prompt_ids
 from core.decode import generate, speculative_generate
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.target import end_of_turn_ids, load_target
-from eval.report import summarize
+from eval.report import common_prefix, summarize, write_report
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
@@ -124,3 +124,21 @@ def test_generation_stops_at_end_of_turn(target):
             assert g.tokens[-1] in stop and not set(g.tokens[:-1]) & set(stop)
         else:
             assert len(g.tokens) == 64
+
+
+def test_a_report_says_where_mismatched_outputs_part_and_why(tmp_path):
+    """Greedy spec outputs that leave the baseline: the report counts them, says after how many tokens,
+    and tells bf16 rounding (the verify pass and the one-token step reduce differently) from a float32 bug."""
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2 and common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([5], [6]) == 0
+    rows = [{"id": i, "tokens": 4, "accept_lengths": [2, 2], "match": m, "agree": a, "time_baseline_s": 1.0,
+             "time_spec_s": 1.0, "baseline_tokens": 4} for i, (m, a) in enumerate([(True, 4), (False, 37), (False, 5)])]
+    r = summarize(rows, 3)
+    assert r["outputs_match_baseline"] is False and r["mismatched_prompts"] == [1, 2]
+    assert r["mismatches_agree_for"] == [5, 37]
+    for dtype, why in (("bfloat16", "bfloat16 target"), ("float32", "a bug until shown otherwise")):
+        report = {**r, "target": "t", "device": "cpu", "drafter": "d", "prompts": "p", "engine": "hf",
+                  "config": {"target": {"dtype": dtype}}}
+        write_report(tmp_path / dtype, report, rows)
+        md = (tmp_path / dtype / "report.md").read_text()
+        assert "**no**: 1/3 prompts identical; the others agree for their first 5, 37 tokens" in md and why in md
