@@ -12,7 +12,7 @@ found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S
 10's speculative sampling and draft trees, F1-F4 issue 13's fast TTT step (flex block mask, fused loss,
 checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W4 its resume onto another
 number of processes, G1-G4 issue 14's static batched generation loop, P1-P3 data_gen's pool of
-requests across parts (full `hf` calls).
+requests across parts (full `hf` calls), A1-A3 the grouped decode attention (core/decode_attention.py).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_outp
 ONLINE = ("tests/test_train_online.py",)
 STATIC = ("tests/test_generate_static.py",)
 POOL = ("tests/test_data_gen_hf_pool.py",)
+DECODE_ATTN = ("tests/test_decode_attention.py",)
 MUTANTS = [
     Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/checkpoint.py",
            '    accelerator.load_state(str(ckpt_root / latest["path"]))\n', "", RESUME),
@@ -174,6 +175,12 @@ MUTANTS = [
            POOL),
     Mutant("P3", "calls take the latest parts' requests first", "data_gen/batch_pool.py",
            "pending.sort(key=lambda r: r[0])", "pending.sort(key=lambda r: -r[0])", POOL),
+    Mutant("A1", "decode attention pairs query head h with KV head h % KVH, not h // G", "core/decode_attention.py",
+           "query.reshape(b, kvh, h // kvh, d)", "query.reshape(b, h // kvh, kvh, d).transpose(1, 2)", DECODE_ATTN),
+    Mutant("A2", "decode attention ignores an additive float mask", "core/decode_attention.py",
+           "                  else scores + mask)", "                  else scores)", DECODE_ATTN),
+    Mutant("A3", "load_target leaves the target on stock SDPA", "core/target.py", "    use_decode_attention(model)\n", "",
+           DECODE_ATTN),
 ]
 
 
