@@ -177,8 +177,11 @@ def load_tokenizer(cfg: RunConfig):
 
 
 def load_target(cfg: RunConfig, device: torch.device | None = None):
-    """(model in eval mode on device, tokenizer). Weights come from safetensors only."""
+    """(model in eval mode on device, tokenizer). Weights come from safetensors only. Decode steps (one
+    query token) attend through core/decode_attention.py; every other call through transformers' SDPA."""
     from transformers import AutoModelForCausalLM
+
+    from core.decode_attention import use_decode_attention
 
     path = resolve_target(cfg)
     if not any(path.glob("*.safetensors")):
@@ -188,6 +191,7 @@ def load_target(cfg: RunConfig, device: torch.device | None = None):
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=resolve_dtype(cfg.target.dtype),
                                                  use_safetensors=True).to(device).eval()
     model.requires_grad_(False)
+    use_decode_attention(model)
     return model, load_tokenizer(cfg)
 
 

@@ -12,7 +12,8 @@ found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S
 10's speculative sampling and draft trees, F1-F4 issue 13's fast TTT step (flex block mask, fused loss,
 checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W4 its resume onto another
 number of processes, G1-G4 issue 14's static batched generation loop, P1-P3 data_gen's pool of
-requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM.
+requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
+(core/decode_attention.py).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ ONLINE = ("tests/test_train_online.py",)
 STATIC = ("tests/test_generate_static.py",)
 POOL = ("tests/test_data_gen_hf_pool.py",)
 TERM = ("tests/test_data_gen_hf_pool.py::test_sigterm_commits_every_finished_conversation_and_a_rerun_does_only_the_rest",)
+DECODE_ATTN = ("tests/test_decode_attention.py",)
 MUTANTS = [
     Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/checkpoint.py",
            '    accelerator.load_state(str(ckpt_root / latest["path"]))\n', "", RESUME),
@@ -179,6 +181,12 @@ MUTANTS = [
            "backend.answer, commit, stop.is_set)", "backend.answer, commit, lambda: False)", TERM),
     Mutant("P5", "a stop commits the unfinished conversations too (cut mid-conversation)", "data_gen/batch_pool.py",
            "for conv in p if id(conv) not in waiting]", "for conv in p]", TERM),
+    Mutant("A1", "decode attention pairs query head h with KV head h % KVH, not h // G", "core/decode_attention.py",
+           "query.reshape(b, kvh, h // kvh, d)", "query.reshape(b, h // kvh, kvh, d).transpose(1, 2)", DECODE_ATTN),
+    Mutant("A2", "decode attention ignores the mask", "core/decode_attention.py",
+           "key, value, attn_mask=mask,", "key, value, attn_mask=None,", DECODE_ATTN),
+    Mutant("A3", "load_target leaves the target on stock SDPA", "core/target.py", "    use_decode_attention(model)\n", "",
+           DECODE_ATTN),
 ]
 
 

@@ -121,3 +121,15 @@ def test_data_gen_compile_changes_how_not_what(tiny_cfg):
     assert not decode_graphs(off.data_gen, cpu) and not decode_graphs(tiny_cfg.data_gen, cpu)  # auto: off on CPU
     with pytest.raises(ValueError, match="data_gen.compile"):
         decode_graphs(on.data_gen, cpu)
+
+
+def test_bench_compares_a_path_listed_before_eager(tiny):
+    """scripts/bench_generate.py counts the rows equal to the eager path's once every path has run:
+    a path listed before eager used to get None, which a graphs row reported as a MISMATCH (exit 1)."""
+    from scripts.bench_generate import bench_batch, mismatch
+
+    model, _ = tiny
+    rows = bench_batch(model, ["hf", "eager"], 2, 8, 3, 1e10, 1)
+    assert [(r["path"], r["rows_equal_eager"]) for r in rows] == [("hf", 2), ("eager", 2)]
+    assert not mismatch({"path": "graphs", "batch": 2, "rows_equal_eager": None})
+    assert mismatch({"path": "graphs", "batch": 2, "rows_equal_eager": 1})
