@@ -12,7 +12,7 @@ found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S
 10's speculative sampling and draft trees, F1-F4 issue 13's fast TTT step (flex block mask, fused loss,
 checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W4 its resume onto another
 number of processes, G1-G4 issue 14's static batched generation loop, P1-P3 data_gen's pool of
-requests across parts (full `hf` calls).
+requests across parts (full `hf` calls), D1-D2 data_gen's `dataset` backend (the source's answers).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_outp
 ONLINE = ("tests/test_train_online.py",)
 STATIC = ("tests/test_generate_static.py",)
 POOL = ("tests/test_data_gen_hf_pool.py",)
+DATASET = "tests/test_data_gen_dataset.py::"
 MUTANTS = [
     Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/checkpoint.py",
            '    accelerator.load_state(str(ckpt_root / latest["path"]))\n', "", RESUME),
@@ -174,6 +175,12 @@ MUTANTS = [
            POOL),
     Mutant("P3", "calls take the latest parts' requests first", "data_gen/batch_pool.py",
            "pending.sort(key=lambda r: r[0])", "pending.sort(key=lambda r: -r[0])", POOL),
+    Mutant("D1", "backend dataset answers each user turn with the source's answer to the turn before",
+           "data_gen/dataset_backend.py", "c.answers[c.answered]", "c.answers[c.answered - 1]",
+           (DATASET + "test_rows_hold_the_sharegpt_answers_and_train_only_on_them",)),
+    Mutant("D2", "backend dataset cuts an answer inside a character (no step back to whole characters)",
+           "data_gen/dataset_backend.py", "            n -= 1  # the cut", "            break  # the cut",
+           (DATASET + "test_max_new_tokens_cuts_an_answer_and_flags_it_length",)),
 ]
 
 
