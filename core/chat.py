@@ -13,9 +13,14 @@ from core.prompts import Prompt, load_prompt_file, load_prompts
 
 def prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     """Token ids of `messages` rendered with the target's template, ending in the assistant header."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         **(template_kwargs or {}))
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return prompts_ids(tokenizer, [messages], template_kwargs)[0]
+
+
+def prompts_ids(tokenizer, requests: list[list[dict]], template_kwargs: dict | None = None) -> list[list[int]]:
+    """prompt_ids of many requests, tokenized as one batch (the fast tokenizer spreads it over threads)."""
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
+             for m in requests]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
 def fitting_prompts(prompts: Iterable[Prompt], tokenizer, max_tokens: int, limit: int,

@@ -36,7 +36,7 @@ class TargetConfig:
 @dataclass
 class DataGenConfig:
     backend: str = _f("hf", "hf (in-process target) | openai (any OpenAI-compatible server: SGLang, vLLM, "
-                            "llama.cpp, OpenRouter)")
+                            "llama.cpp, OpenRouter) | dataset (the source's own answers, nothing generated)")
     prompts: str = _f("sharegpt", "sharegpt (embedded ShareGPT V3) or a .json/.jsonl file of prompts")
     on_bad_record: str = _f("strict", "strict (first bad record in a prompt file is an error naming file:line) "
                                       "| skip (skipped and counted by reason)")
@@ -50,7 +50,8 @@ class DataGenConfig:
     chat_template_kwargs: dict = _f({}, "extra chat-template variables, e.g. {enable_thinking: false}")
     max_prompt_tokens: int = _f(256, "conversations whose templated first turn is longer are skipped, with a count", ge=1)
     max_context_tokens: int = _f(4096, "a later turn whose templated prompt is longer ends the conversation there", ge=1)
-    max_new_tokens: int = _f(128, "answer length cap; capped answers are kept and flagged finish_reason=length", ge=1)
+    max_new_tokens: int = _f(128, "answer length cap; capped answers are kept and flagged finish_reason=length "
+                                  "(backend dataset: a longer source answer is cut there and flagged so)", ge=1)
     drop_truncated: bool = _f(False, "leave length-capped conversations out of the data")
     temperature: float = _f(0.0, "0 = greedy", ge=0)
     top_p: float = _f(1.0, "nucleus sampling (openai backend)", gt=0, le=1)

@@ -38,7 +38,7 @@ _WS_AND_COMMAS = " \t\r\n,"
 @dataclass(frozen=True)
 class Prompt:
     id: str
-    messages: list[dict]  # [{"role": "system" | "user" | "assistant", "content": str}, ...]
+    messages: list[dict]  # [{"role": "system" | "user" | "assistant", "content": str (, "reasoning_content")}, ...]
 
     @property
     def first_user_turn(self) -> list[dict]:
@@ -60,8 +60,9 @@ def sharegpt_record_to_prompt(record: object) -> Prompt:
 
     Assistant turns before the first user turn are dropped, not the conversation: the packaged file
     is split into chunks of long chats, and a chunk that starts mid-chat opens with the answer to a
-    question it doesn't hold. Its user turns are still real prompts, and data_gen discards the
-    original answers anyway. A system turn there is kept: it instructs the whole chat."""
+    question it doesn't hold. Its user turns are still real prompts, and an answer without its
+    question is of no use to data_gen (backend dataset keeps the later ones, with an assistant turn's
+    optional "reasoning_content"). A system turn there is kept: it instructs the whole chat."""
     if not isinstance(record, dict) or not isinstance(record.get("id"), str) \
             or not isinstance(record.get("conversations"), list):
         raise BadRecord("missing_field", 'expected an object with string "id" and list "conversations"')
@@ -81,7 +82,10 @@ def _turn_to_message(turn: object) -> dict:
     role = ROLES.get(str(turn["from"]).lower())
     if role is None:
         raise BadRecord("unknown_role", f"unknown role {turn['from']!r} (known: {sorted(ROLES)})")
-    return {"role": role, "content": _nonempty_str(turn["value"], "value")}
+    message = {"role": role, "content": _nonempty_str(turn["value"], "value")}
+    if role == "assistant" and isinstance(turn.get("reasoning_content"), str) and turn["reasoning_content"]:
+        message["reasoning_content"] = turn["reasoning_content"]  # data_gen.backend=dataset keeps it
+    return message
 
 
 def _nonempty_str(value: object, field: str) -> str:

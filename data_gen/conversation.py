@@ -2,13 +2,16 @@
 
 Every assistant turn is regenerated conditioned on the target's own earlier answers (the original
 assistant turns are discarded), so the data is what the target produces when served. Backends only
-answer requests; this file decides what to ask and turns the result into training rows.
+answer requests; this file decides what to ask and turns the result into training rows. The one
+exception, backend `dataset` (data_gen/dataset_backend.py), answers with the source's own turns,
+which each conversation carries in `answers` for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.chat import prompt_ids
 from core.prompts import Prompt
 from data_gen.chat_tokenize import assistant_message, split_reasoning, tokenize_conversation
 from data_gen.openai_client import Reply
@@ -20,10 +23,11 @@ class Regeneration:
     source_id: str
     turns: list[dict]  # system + user messages to replay, in order
     seed: int | None = None
+    answers: list[dict | None] = field(default_factory=list)  # the source's, per kept user turn (source_answers)
     messages: list[dict] = field(default_factory=list)  # as stored and rendered (may carry reasoning)
     history: list[dict] = field(default_factory=list)  # as sent to the server (answers only)
     truncated: list[bool] = field(default_factory=list)  # per message: assistant hit max_tokens
-    ended_by: str = ""  # "" while running | "turns" | "context"
+    ended_by: str = ""  # "" while running | "turns" | "context" | "rejected" (openai) | "unanswered" (dataset)
     pos: int = 0
 
     def next_request(self) -> list[dict] | None:
@@ -51,6 +55,14 @@ class Regeneration:
             self.truncated.pop()
         self.ended_by = reason
 
+    def fits(self, prompt_tokens: int, max_context_tokens: int) -> bool:
+        """Whether the pending request's templated prompt fits; a later turn's that doesn't ends the
+        conversation before it (the first turn was checked against max_prompt_tokens at selection)."""
+        if self.answered and prompt_tokens > max_context_tokens:
+            self.end("context")
+            return False
+        return True
+
     def add_reply(self, reply: Reply, reasoning_mode: str, template_has_reasoning: bool) -> None:
         answer, reasoning = split_reasoning(reply.content, reply.reasoning)
         self.messages.append(assistant_message(answer, reasoning, reasoning_mode, template_has_reasoning))
@@ -76,12 +88,30 @@ def replay_turns(prompt: Prompt, max_turns: int) -> list[dict]:
     return kept
 
 
+def source_answers(prompt: Prompt, max_turns: int) -> list[dict | None]:
+    """The source's answer to each of the first max_turns user turns (0 = all): the message right after
+    that turn when it is an assistant's, else None."""
+    msgs = prompt.messages
+    answers = [msgs[i + 1] if i + 1 < len(msgs) and msgs[i + 1]["role"] == "assistant" else None
+               for i, m in enumerate(msgs) if m["role"] == "user"]
+    return answers[:max_turns] if max_turns else answers
+
+
 def regenerations(prompt: Prompt, max_turns: int, n: int, request_seed: int | None) -> list[Regeneration]:
-    turns = replay_turns(prompt, max_turns)
+    turns, answers = replay_turns(prompt, max_turns), source_answers(prompt, max_turns)
     if n == 1:
-        return [Regeneration(prompt.id, prompt.id, turns, request_seed)]
-    return [Regeneration(f"{prompt.id}~{j}", prompt.id, turns, None if request_seed is None else request_seed + j)
-            for j in range(n)]
+        return [Regeneration(prompt.id, prompt.id, turns, request_seed, answers)]
+    return [Regeneration(f"{prompt.id}~{j}", prompt.id, turns, None if request_seed is None else request_seed + j,
+                         answers) for j in range(n)]
+
+
+def request_ids(conv: Regeneration, tok, dg) -> list[int] | None:
+    """Templated ids of the conversation's next request, or None when it is finished."""
+    req = conv.next_request()
+    if req is None:
+        return None
+    ids = prompt_ids(tok, req, dg.chat_template_kwargs)
+    return ids if conv.fits(len(ids), dg.max_context_tokens) else None
 
 
 def to_rows(conv: Regeneration, tokenizer, end_of_turn: list[str], reasoning_mode: str, template_kwargs: dict,

@@ -3,6 +3,7 @@
     python -m data_gen --config configs/smollm2-135m-instruct.yaml                  # in-process (hf)
     python -m data_gen data_gen.backend=openai data_gen.base_url=http://127.0.0.1:30000/v1 \\
         data_gen.max_turns=0 data_gen.concurrency=64                               # any OpenAI server
+    python -m data_gen --config configs/smollm2-135m-instruct.yaml data_gen.backend=dataset  # the source's answers
 
 Output: <run>/conversations/part-*.parquet (core/conversations.py), summary.json, manifest.json.
 Rerunning resumes: conversations already in a committed part are skipped, nothing is written twice;
@@ -24,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from core.atomic_io import atomic_write_json, remove_partial_writes
-from core.chat import fitting_prompts, prompt_ids
+from core.chat import fitting_prompts
 from core.config import RunConfig
 from core.conversations import done_ids, template_hash, write_part
 from core.errors import UserError
@@ -35,7 +36,8 @@ from core.stop_signal import sigterm_requests_stop
 from core.target import end_of_turn_ids, load_target, load_tokenizer, resolve_precision, resolve_target
 from data_gen.batch_pool import answer_parts
 from data_gen.chat_tokenize import TemplateError, template_renders_reasoning, tokenize_conversation
-from data_gen.conversation import Regeneration, regenerations, to_rows
+from data_gen.conversation import Regeneration, regenerations, request_ids, to_rows
+from data_gen.dataset_backend import check_answers, run_dataset
 from data_gen.hf_backend import HFBackend
 from data_gen.openai_client import ChatClient, Reply, RequestRejected, RetriesExhausted
 
@@ -46,7 +48,7 @@ PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "He
 
 def check_options(cfg: RunConfig) -> None:
     dg = cfg.data_gen
-    for key, value, allowed in (("backend", dg.backend, ("hf", "openai")), ("reasoning", dg.reasoning,
+    for key, value, allowed in (("backend", dg.backend, ("hf", "openai", "dataset")), ("reasoning", dg.reasoning,
                                 ("drop", "field", "render")), ("on_bad_record", dg.on_bad_record, ("strict", "skip")),
                                 ("compile", dg.compile, ("auto", "yes", "no"))):
         if value not in allowed:
@@ -56,6 +58,9 @@ def check_options(cfg: RunConfig) -> None:
                          "e.g. data_gen.base_url=http://127.0.0.1:30000/v1")
     if dg.n < 1 or dg.max_turns < 0:
         raise UserError(f"data_gen.n must be >= 1 and data_gen.max_turns >= 0 (got {dg.n}, {dg.max_turns})")
+    if dg.backend == "dataset" and dg.n != 1:
+        raise UserError(f"data_gen.n = {dg.n} with data_gen.backend = dataset: the source has one answer per turn, "
+                        "use data_gen.n=1")
 
 
 def decode_graphs(dg, device: torch.device) -> bool:
@@ -105,18 +110,6 @@ class PartSink:
         if self.rows:
             write_part(self.out, self.rows)
             self.rows = []
-
-
-def request_ids(conv: Regeneration, tok, dg) -> list[int] | None:
-    """Templated ids of the conversation's next request, or None when it is finished."""
-    req = conv.next_request()
-    if req is None:
-        return None
-    ids = prompt_ids(tok, req, dg.chat_template_kwargs)
-    if conv.answered and len(ids) > dg.max_context_tokens:
-        conv.end("context")
-        return None
-    return ids
 
 
 def run_hf(todo: list[Regeneration], backend: HFBackend, tok, cfg: RunConfig, sink: PartSink, bar) -> bool:
@@ -244,6 +237,8 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
     if not convs:
         raise UserError(f"data_gen.prompts = {dg.prompts!r}: no prompt is left to generate from (skipped: "
                         f"{dict(skipped)}); check the file or raise data_gen.max_prompt_tokens")
+    if dg.backend == "dataset":
+        check_answers(convs, dg.prompts)
     settings = generation_settings(cfg, thash)  # checked before any "done" id is skipped
     open_stage_dir(out, "data_gen", settings, fresh)
     compat = {"target": cfg.target.model, "template_hash": thash}
@@ -267,6 +262,8 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
             backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, cfg.seed,
                                 resolve_precision(dg.mixed_precision) == "bf16", graphs)
             completed = run_hf(todo, backend, tok, cfg, sink, bar)
+        elif dg.backend == "dataset":
+            run_dataset(todo, tok, dg, backend_template_reasoning(tok, cfg), sink, bar)
         else:
             failed = asyncio.run(run_openai(todo, tok, cfg, sink, bar))
     finally:

@@ -13,7 +13,7 @@ found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S
 checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W4 its resume onto another
 number of processes, G1-G4 issue 14's static batched generation loop, P1-P3 data_gen's pool of
 requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
-(core/decode_attention.py).
+(core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ STATIC = ("tests/test_generate_static.py",)
 POOL = ("tests/test_data_gen_hf_pool.py",)
 TERM = ("tests/test_data_gen_hf_pool.py::test_sigterm_commits_every_finished_conversation_and_a_rerun_does_only_the_rest",)
 DECODE_ATTN = ("tests/test_decode_attention.py",)
+DATASET = "tests/test_data_gen_dataset.py::"
 MUTANTS = [
     Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/checkpoint.py",
            '    accelerator.load_state(str(ckpt_root / latest["path"]))\n', "", RESUME),
@@ -187,6 +188,12 @@ MUTANTS = [
            "key, value, attn_mask=mask,", "key, value, attn_mask=None,", DECODE_ATTN),
     Mutant("A3", "load_target leaves the target on stock SDPA", "core/target.py", "    use_decode_attention(model)\n", "",
            DECODE_ATTN),
+    Mutant("D1", "backend dataset answers each user turn with the source's answer to the turn before",
+           "data_gen/dataset_backend.py", "c.answers[c.answered]", "c.answers[c.answered - 1]",
+           (DATASET + "test_rows_hold_the_sharegpt_answers_and_train_only_on_them",)),
+    Mutant("D2", "backend dataset cuts an answer inside a character (no step back to whole characters)",
+           "data_gen/dataset_backend.py", "            n -= 1  # the cut", "            break  # the cut",
+           (DATASET + "test_max_new_tokens_cuts_an_answer_and_flags_it_length",)),
 ]
 
 
