@@ -52,10 +52,11 @@ serve-eval: llamacpp
 demo: setup
 	$(PY) scripts/demo.py $(RUN_FLAGS)
 
-# Two workers, one torch thread each (whole test files per worker, so module fixtures are built once):
-# 10-11 min instead of 18 on a 2-core CPU; many tests wait on a subprocess's startup, not on the CPU.
+# Two workers, one torch thread each (whole test files per worker, so module fixtures are built once), the
+# slowest files first (tests/conftest.SLOW_FIRST; xdist would order them by test count): 10-11 min instead of
+# 18 on a 2-core CPU; many tests wait on a subprocess's startup, not on the CPU.
 test: setup llamacpp
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check .

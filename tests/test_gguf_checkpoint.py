@@ -2,14 +2,23 @@
 embedded SmolLM2 GGUF: the same tensors bit for bit, config, generation config, tokenizer and logits;
 the tokenizer differs only where it splits digits as llama.cpp does (tests/test_tokenizer_parity.py)."""
 
+import hashlib
+import importlib.metadata
+import inspect
 import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from core.config import load_config
 from core.gguf_checkpoint import convert_gguf_to_hf
-from core.target import embedded_gguf_path
+from core.target import cache_root, embedded_gguf_path
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -27,18 +36,66 @@ CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "cont
         {"role": "user", "content": "And 3+3? 🤔"}]
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    """(dir written by transformers' GGUF path, dir written by convert_gguf_to_hf)."""
+PROMPT = "The capital of France is"
+LIBRARIES = ("transformers", "tokenizers", "torch", "gguf", "safetensors", "numpy")
+
+
+def tensor_digests(path: Path) -> dict[str, list]:
+    """name -> [dtype, shape, sha256 of the bytes]: equal digests are equal tensors, bit for bit."""
+    return {name: [str(t.dtype), list(t.shape), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()]
+            for name, t in load_file(path).items()}
+
+
+def build_reference(gguf: Path, out: Path) -> None:
+    """transformers' own GGUF load (dequantized to fp32) + save_pretrained into `out`; its 538 MB of weights
+    are kept as digests (tensors.json) and as the logits they give on PROMPT (logits.safetensors)."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    gguf = embedded_gguf_path()
-    ref, new = tmp_path_factory.mktemp("transformers_gguf"), tmp_path_factory.mktemp("gguf_checkpoint")
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(ref)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                         quantization_config=GgufConfig(dequantize=True)).save_pretrained(ref)
+                                         quantization_config=GgufConfig(dequantize=True)).save_pretrained(out)
+    (out / "tensors.json").write_text(json.dumps(tensor_digests(out / "model.safetensors")))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = AutoTokenizer.from_pretrained(out)(PROMPT, return_tensors="pt")["input_ids"]
+        save_file({"logits": model(ids).logits}, out / "logits.safetensors")
+    (out / "model.safetensors").unlink()
+
+
+def transformers_reference(gguf: Path) -> Path:
+    """build_reference's output, kept in the model cache: it is a function of the GGUF's bytes, the libraries
+    and build_reference alone, and all three are in its key, so a stale one is never read (a fresh machine
+    builds it: ~40 s of dequantizing on 2 cores)."""
+    key = hashlib.sha256(gguf.read_bytes())
+    key.update(inspect.getsource(build_reference).encode())
+    for lib in LIBRARIES:
+        key.update(f"{lib}=={importlib.metadata.version(lib)}".encode())
+    dest = cache_root(load_config(ROOT / "configs/smollm2-135m-instruct.yaml")) / "test-refs" / \
+        f"transformers-gguf-{key.hexdigest()[:16]}"
+    if not dest.is_dir():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+        try:
+            build_reference(gguf, tmp)
+            os.chmod(tmp, 0o755)
+            os.rename(tmp, dest)
+        except OSError:
+            if not dest.is_dir():  # lost a race to a complete copy: fine
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """(dir written by transformers' GGUF path, less its weights: tensors.json and logits.safetensors hold
+    them; dir written by convert_gguf_to_hf)."""
+    gguf = embedded_gguf_path()
+    new = tmp_path_factory.mktemp("gguf_checkpoint")
     convert_gguf_to_hf(gguf, new)
-    return ref, new
+    return transformers_reference(gguf), new
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +106,10 @@ def tokenizers(dirs):
 
 
 def test_every_tensor_is_bit_identical(dirs):
-    ref, new = (load_file(d / "model.safetensors") for d in dirs)
+    ref, new = json.loads((dirs[0] / "tensors.json").read_text()), tensor_digests(dirs[1] / "model.safetensors")
     assert sorted(new) == sorted(ref) and "lm_head.weight" not in new  # tied, as the GGUF has no output.weight
-    for name, tensor in ref.items():
-        assert new[name].dtype == torch.float32 and torch.equal(new[name], tensor), name
+    for name, digest in ref.items():
+        assert new[name][0] == "torch.float32" and new[name] == digest, name
 
 
 def test_config_and_generation_config_match(dirs):
@@ -100,10 +157,7 @@ def test_tokenizers_agree(tokenizers):
 def test_logits_are_identical(dirs, tokenizers):
     from transformers import AutoModelForCausalLM
 
-    ids = tokenizers[0]("The capital of France is", return_tensors="pt")["input_ids"]
-    logits = []
-    for d in dirs:
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-        with torch.no_grad():
-            logits.append(model(ids).logits)
-    assert torch.equal(logits[1], logits[0])
+    ids = tokenizers[0](PROMPT, return_tensors="pt")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(dirs[1], dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, load_file(dirs[0] / "logits.safetensors")["logits"])

@@ -44,16 +44,19 @@ def llamacpp_accepted(rows: list[dict]) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def served_norm_before_fc(overfit_tiny, tmp_path_factory):
+def served_norm_before_fc(served, overfit_tiny, tmp_path_factory):
     """The overfit run's conversations and shards, trained again with train.norm_before_fc=true (EAGLE-3.1),
-    then converted and served the same way."""
+    then converted and served the same way, beside the target GGUF that `served` converted (eval.target_gguf:
+    the same target through the same converter)."""
     _, run_dir, flags, prompts = overfit_tiny
     norm_run = tmp_path_factory.mktemp("norm-before-fc") / "run"
     for stage_dir in ("conversations", "hidden"):
         shutil.copytree(run_dir / stage_dir, norm_run / stage_dir)
     norm_flags = [str(norm_run) if f == str(run_dir) else f for f in flags] + ["train.norm_before_fc=true"]
     run_stage("train", *norm_flags)
-    run_stage("eval", *norm_flags, "--engine", "llamacpp", "--prompts", str(prompts), "--concurrency", "1")
+    target = served[1] / "eval/llamacpp/target-f32.gguf"
+    run_stage("eval", *norm_flags, f"eval.target_gguf={target}", "--engine", "llamacpp", "--prompts", str(prompts),
+              "--concurrency", "1")
     return norm_run, json.loads((norm_run / "eval/report.json").read_text())
 
 

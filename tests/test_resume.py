@@ -113,11 +113,12 @@ def shards(overfit_tiny, tmp_path):
 
 
 def train_on(processes: int, run_dir: Path, *extra: str, torchrun: bool = False) -> str:
-    """`python -m train` (1), `accelerate launch --multi_gpu --num_processes N -m train` or `torchrun
-    --nproc_per_node N -m train` -> its stderr."""
+    """`python -m train` (1: in this process, conftest.run_stage), `accelerate launch --multi_gpu --num_processes
+    N -m train` or `torchrun --nproc_per_node N -m train` -> its stderr."""
+    if processes == 1:
+        return run_stage("train", *flags(run_dir, *WORLD_TRAIN, *extra)).stderr
     bin_dir = Path(sys.executable).parent
-    launcher = [sys.executable] if processes == 1 else [
-        str(bin_dir / "torchrun"), "--nproc_per_node", str(processes)] if torchrun else [
+    launcher = [str(bin_dir / "torchrun"), "--nproc_per_node", str(processes)] if torchrun else [
         str(bin_dir / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(processes),
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     proc = subprocess.run([*launcher, "-m", "train", *flags(run_dir, *WORLD_TRAIN, *extra)], cwd=ROOT,

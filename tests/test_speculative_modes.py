@@ -101,12 +101,12 @@ def _pit(logits: torch.Tensor, token: int, u: float) -> float:
 
 @pytest.mark.parametrize("drafter_kind", ["pipeline drafter", "target as drafter (test double)"])
 def test_speculative_sampling_at_t1_keeps_the_target_distribution(engine, drafter_kind):
-    """500 answers of 4 tokens by chain speculative sampling (T=1, K=2): tokens 2-4 went through the
+    """150 answers of 4 tokens by chain speculative sampling (T=1, K=2): tokens 2-4 went through the
     acceptance test, the residual or the bonus draw. Each, mapped through the target's own CDF at its position
     (randomised PIT), must be uniform (Kolmogorov-Smirnov, p > 1e-3). Sampling the residual from p
-    instead of max(p - q, 0), or accepting every draft, fails this (p < 1e-6; docs/TESTING.md)."""
+    instead of max(p - q, 0), or accepting every draft, fails this (p < 1e-14; docs/TESTING.md)."""
     model, drafter, trained, _, _ = engine
-    prompt, n = trained[1], 500
+    prompt, n = trained[1], 150
     if drafter_kind != "pipeline drafter":
         drafter = TargetAsDrafter(model, prompt, sharpen=1.6)
     g, rng = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
@@ -122,7 +122,7 @@ def test_speculative_sampling_at_t1_keeps_the_target_distribution(engine, drafte
     pits = [_pit(logits[i, j], a[1 + j], float(torch.rand((), generator=rng))) for i, a in enumerate(answers)
             for j in range(3)]
     if drafter_kind != "pipeline drafter":  # both the rejection and the all-accepted path ran often
-        assert accepted[1] > 40 and accepted[3] > 40, accepted
+        assert accepted[1] > n // 12 and accepted[3] > n // 12, accepted
     pits.sort()
     d = max(max((i + 1) / len(pits) - x, x - i / len(pits)) for i, x in enumerate(pits))
     assert _kolmogorov_p(d, len(pits)) > 1e-3, (d, accepted)
