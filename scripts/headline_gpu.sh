@@ -9,6 +9,9 @@
 #           scripts/headline_gpu.sh wait             # follow it for WAIT_S seconds (as many commands as it takes)
 #           PACK=1 scripts/headline_gpu.sh wait      # the last: whatever is done goes to $OUT
 # Or phase by phase, each in the foreground: generate, train, eval, bench, results.
+# The tree travels with every command and results/ holds a tracked drafter (29 MB): for the session, take it
+# out of what travels (`git rm -q --cached results/*/drafter/model.safetensors` and add that path to
+# .git/info/exclude), or a carry of .gpurun/a (60 MB) goes over the 64 MiB a command may carry.
 #
 # The background pipeline (`start`) gives each phase a time budget, so the whole run fits one device
 # session: generate for GEN_S seconds (whole parts are committed; a cut-off run trains on those), train
