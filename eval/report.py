@@ -106,7 +106,7 @@ def _markdown(r: dict) -> str:
     where = "batch 1" if r["engine"] == "hf" else "see the concurrency table"
     match = ("n/a: sampled outputs are not compared" if r["outputs_match_baseline"] is None
              else r["outputs_match_baseline"])
-    if r["outputs_match_baseline"] is False:
+    if r["outputs_match_baseline"] is False and "server" not in r:  # a server's are counted per level below
         bad, dtype = r["mismatched_prompts"], r.get("config", {}).get("target", {}).get("dtype", "float32")
         match = (f"**no**: {r['num_prompts'] - len(bad)}/{r['num_prompts']} prompts identical; the others agree for "
                  f"their first {', '.join(map(str, r.get('mismatches_agree_for', [])))} tokens"

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from core.errors import UserError
+from eval.report import write_report
 from eval.spec_counters import counter_window, prometheus_spec_counters, sglang_window
 from tests.conftest import ROOT, run_stage
 from tests.fake_spec_server import FakeSpecServer, rounds
@@ -44,6 +45,12 @@ def test_eval_server_reports_the_engines_own_counts(engine, tmp_path):
         assert all(row["ttft_s"] <= row["latency_s"] for row in lv["spec"]["rows"])
     assert "Served by " + engine in (out / "report.md").read_text()
     assert (out / "throughput.png").stat().st_size > 10_000
+    # a server whose outputs differed: the report says so from its levels (no HF per-prompt fields here)
+    r.pop("per_prompt")
+    r["outputs_match_baseline"], r["server"]["levels"][0]["outputs_equal"] = False, 2
+    write_report(tmp_path / "differ", r, [])
+    md = (tmp_path / "differ" / "report.md").read_text()
+    assert "| outputs identical to the baseline | False |" in md and "prompts identical" not in md
 
 
 def test_eval_server_needs_both_urls_and_leaves_the_given_config_alone(tiny_cfg):
