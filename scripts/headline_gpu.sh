@@ -91,6 +91,12 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     done
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader || true
     if [ -n "${PACK:-}" ]; then exec "$0" pack; fi ;;
+  bench-first)  # decode at data_gen's real context lengths (the grouped decode attention), extraction on real weights
+    mkdir -p $S/logs
+    timeout 150 "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch 256 512 \
+      --prompt-len 1024 --new-tokens 128 --paths eager graphs --repeats 1 --out $S/logs/bench_generate_1024.json \
+      2>&1 | tee $S/logs/bench_generate_1024.log || true
+    timeout 90 "$PY" scripts/bench_extract.py --config $CFG --device cuda 2>&1 | tee $S/logs/bench_extract.log || true ;;
   bench)  # each stage's figure against its limit, on this machine (docs/PERFORMANCE.md), real SmolLM2 weights
     mkdir -p $S/logs
     timeout 240 "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch 256 512 \
@@ -98,7 +104,8 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     timeout 180 "$PY" scripts/bench_extract.py --config $CFG --device cuda 2>&1 | tee $S/logs/bench_extract.log || true ;;
   eval)  # batch-1 decoding leaves the GPU mostly idle: the settings run side by side, one process each
     mt=$S/mt_bench.jsonl pids=()
-    ev() { local out=$1; shift; timeout "${EVAL_S:-240}" "$PY" -m eval --config $CFG --run-dir $RUN --out $RUN/evals/$out "$@" \
+    # 2 threads each: seven processes that each take every idle core slow one another down (27 tok/s at batch 1)
+    ev() { local out=$1; shift; OMP_NUM_THREADS=2 timeout "${EVAL_S:-240}" "$PY" -m eval --config $CFG --run-dir $RUN --out $RUN/evals/$out "$@" \
              > $RUN/evals/$out.log 2>&1 & pids+=($!); }
     mkdir -p $RUN/evals
     ev mt_bench_k7 --prompts $mt eval.draft_steps=7 --max-prompts ${EVAL_N_K7:-40}
@@ -119,6 +126,6 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     ls -la "$OUT" ;;
   results)  # a marker in the pipeline's log: what `pack` would take is complete up to here
     echo "== results ready: $(ls $RUN/drafter $RUN/evals 2>/dev/null | tr '\n' ' ')" ;;
-  *) echo "unknown phase $phase (pack-inputs stash setup generate generate-for train train-for start wait bench eval results pack)" >&2; exit 2 ;;
+  *) echo "unknown phase $phase (pack-inputs stash setup bench-first generate generate-for train train-for start wait bench eval results pack)" >&2; exit 2 ;;
   esac
 done
