@@ -13,7 +13,7 @@ found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S
 checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W4 its resume onto another
 number of processes, G1-G4 issue 14's static batched generation loop, P1-P3 data_gen's pool of
 requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
-(core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q6 issue 13's
+(core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
 sequence packing (train.pack_length).
 """
 
@@ -135,6 +135,8 @@ MUTANTS = [
            PACKING),
     Mutant("Q6", "train/fit.py packs the batch but gives the objective no doc ids / positions", "train/fit.py",
            "mask, teacher, doc_ids, positions)", "mask, teacher)", PACKING),
+    Mutant("Q7", "train/fit.py gives the objective row-wide positions (RoPE is relative: the loss hardly moves)",
+           "train/fit.py", "mask, teacher, doc_ids, positions)", "mask, teacher, doc_ids, None)", PACKING),
     Mutant("S1", "speculative sampling draws a rejected draft's replacement from p, not max(p - q, 0)",
            "core/decode.py", "residual = (p[j] - q).clamp(min=0)", "residual = p[j].clone()", SAMPLING),
     Mutant("S2", "speculative sampling accepts every draft", "core/decode.py",

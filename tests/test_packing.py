@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from core.config import RunConfig, TrainConfig
+from core.drafter import Eagle3Drafter
 from core.errors import UserError
 from tests.test_ttt_fast_paths import TOL, drafter
 from train import ttt_attention
@@ -68,7 +69,8 @@ def test_pack_lays_documents_out_next_fit_with_their_own_ids_and_positions():
     for i, (r, off, doc, n) in enumerate(runs):
         for key in ("input_ids", "loss_mask", "aux", "final", "argmax"):
             assert torch.equal(p[key][r, off:off + n], batch[key][i, :n]), key
-        assert p["doc_ids"][r, off:off + n].eq(doc).all() and torch.equal(p["positions"][r, off:off + n], torch.arange(n))
+        assert p["doc_ids"][r, off:off + n].eq(doc).all()
+        assert torch.equal(p["positions"][r, off:off + n], torch.arange(n))
     assert p["doc_ids"][0, 35:].eq(-1).all() and p["doc_ids"][1, 37:].eq(-1).all() and p["valid"].sum() == sum(LENGTHS)
     assert p["ids"] == batch["ids"]
     with pytest.raises(UserError, match="train.pack_length = 24: set train.pack_length >= train.max_len"):
@@ -83,6 +85,18 @@ def test_packed_batch_gives_the_padded_batchs_loss_sums_and_gradients(loss_on_pr
     padded, packed = (run_batch(batch, n, loss_on_prompt, aux_noise) for n in (0, PACK))
     assert padded[1]["count"].min() >= 5
     assert_same(padded, packed)
+
+
+def test_packed_rows_run_at_each_documents_own_positions(monkeypatch):
+    """RoPE is relative, so row-wide positions would train the same up to rounding (the test above cannot
+    tell); each document's own positions are the padded batch's, exactly."""
+    seen, qkv = [], Eagle3Drafter.qkv
+    monkeypatch.setattr(Eagle3Drafter, "qkv", lambda self, hidden, tokens, positions: (
+        seen.append(positions), qkv(self, hidden, tokens, positions))[1])
+    batch = padded_batch(LENGTHS, drafter())
+    run_batch(batch, PACK)
+    own = pack(batch, PACK)["positions"]
+    assert len(seen) == K and all(torch.equal(p, own + k) for k, p in enumerate(seen))
 
 
 def test_packed_teacher_rows_are_the_documents_own():

@@ -1,7 +1,7 @@
 """Sequence packing (train.pack_length): a right-padded batch -> rows of exactly pack_length tokens holding
-several documents each, for static shapes (one compiled graph per row count, not per padded length) and
-little padding. train/fit.py packs each batch after its source completed it; ttt_loss keeps the documents
-apart (doc_ids, positions), so a packed batch trains what the padded one does.
+several documents each: little padding, and torch.compile sees one row length (only the row count varies)
+instead of every batch's padded length. train/fit.py packs each batch after its source completed it;
+ttt_loss keeps the documents apart (doc_ids, positions), so a packed batch trains what the padded one does.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from core.errors import UserError
 
 
-def next_fit(lengths: list[int], pack_length: int) -> list[tuple[int, int, int]]:
-    """-> (row, offset, document index in that row) per sample: in the batch's order, each sample goes to
-    the current row if it fits, else opens the next. Deterministic, so a resumed run packs as before."""
+def next_fit(lengths: list[int], pack_length: int) -> list[tuple[int, int, int, int]]:
+    """-> (row, offset, document index in that row, length) per sample: in the batch's order, each sample
+    goes to the current row if it fits, else opens the next. Deterministic, so a resumed run packs as before."""
     places, row, used, doc = [], 0, 0, 0
     for n in lengths:
         if n > pack_length:
@@ -21,7 +21,7 @@ def next_fit(lengths: list[int], pack_length: int) -> list[tuple[int, int, int]]
                             f"train.pack_length >= train.max_len")
         if used + n > pack_length:
             row, used, doc = row + 1, 0, 0
-        places.append((row, used, doc))
+        places.append((row, used, doc, n))
         used, doc = used + n, doc + 1
     return places
 
@@ -35,9 +35,9 @@ def pack(batch: dict, pack_length: int) -> dict:
     places = next_fit(lengths, pack_length)
     rows = places[-1][0] + 1
     src = torch.cat([torch.arange(k) + i * t for i, k in enumerate(lengths)])  # flat [B*T] index of each token
-    dst = torch.cat([torch.arange(k) + r * pack_length + off for (r, off, _), k in zip(places, lengths)])
+    dst = torch.cat([torch.arange(k) + r * pack_length + off for r, off, _, k in places])
     doc_ids = torch.full((rows * pack_length,), -1, dtype=torch.long)
-    doc_ids[dst] = torch.cat([torch.full((k,), d) for (_, _, d), k in zip(places, lengths)])
+    doc_ids[dst] = torch.cat([torch.full((k,), d) for _, _, d, k in places])
     positions = torch.zeros(rows * pack_length, dtype=torch.long)
     positions[dst] = torch.cat([torch.arange(k) for k in lengths])
     device = batch["valid"].device
