@@ -129,6 +129,9 @@ class TrainConfig:
                                       "(AVX512-BF16/AMX), fp32 elsewhere (bf16 is ~200x slower there)")
     attention: str = _f("auto", "auto | dense | flex: TTT attention; flex (CUDA) never builds a [T,T] matrix; "
                                 "auto = flex on CUDA, dense elsewhere")
+    pack_length: int = _f(0, "> 0: pack each micro-batch's samples into rows of exactly this many tokens, several "
+                             "documents per row, kept apart by a document mask (static shapes, little padding; trains "
+                             "what the padded batch trains); must be >= train.max_len; 0 = right-padded batches", ge=0)
     loss_chunk: int = _f(8192, "rows per chunk of the fused draft-head loss, which never holds all [T, Vd] logits; "
                                "0 = plain autograd (the reference path)", ge=0)
     compile: str = _f("auto", "auto | yes | no: torch.compile the TTT step's layer (fuses norms, RoPE, SiLU); "
@@ -140,6 +143,11 @@ class TrainConfig:
     tau_new_tokens: int = _f(48, "tokens generated per prompt in a τ measurement", ge=1)
     activation_checkpointing: bool = _f(False, "recompute each TTT step's layer in the backward: less memory, "
                                                "about a third more layer compute")
+
+    def __post_init__(self):
+        if 0 < self.pack_length < self.max_len:  # a sample of max_len tokens must fit a row
+            raise UserError(f"train.pack_length = {self.pack_length}: must be 0 (off) or >= train.max_len "
+                            f"({self.max_len})")
 
 
 @dataclass

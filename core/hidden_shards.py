@@ -87,11 +87,14 @@ def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]]) -> Non
                 f.write(c.contiguous().view(torch.uint8).numpy().data)
 
 
-def teacher_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+def teacher_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[..., T] -> bool [..., T]: positions j whose target distribution the loss reads (token j+1 is
-    trained on). The one copy of this rule: extract keeps `final` there, train computes teachers there."""
+    trained on; in packed rows, doc_ids [..., T], also in j's document). The one copy of this rule:
+    extract keeps `final` there, train computes teachers there."""
     need = torch.zeros_like(loss_mask, dtype=torch.bool)
     need[..., :-1] = loss_mask[..., 1:].bool()
+    if doc_ids is not None:
+        need[..., :-1] &= doc_ids[..., 1:] == doc_ids[..., :-1]
     return need
 
 

@@ -137,7 +137,8 @@ def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
     frozen = params["embed_tokens"] + (params["lm_head"] if t.freeze_lm_head else 0)
     trainable = sum(params.values()) - frozen
     bf16 = t.mixed_precision != "no"
-    mem = train_memory(dc, trainable, t.batch_size, t.max_len, t.ttt_steps, bf16, t.activation_checkpointing,
+    row = t.pack_length or t.max_len  # packed: up to batch_size rows of pack_length tokens
+    mem = train_memory(dc, trainable, t.batch_size, row, t.ttt_steps, bf16, t.activation_checkpointing,
                        t.loss_chunk)
     per_step = t.batch_size * world_size * t.grad_accum
     steps = math.ceil(n_conv / per_step) * t.epochs
@@ -147,7 +148,7 @@ def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
         f"{dc.num_attention_heads}/{dc.num_key_value_heads} heads x {dc.head_dim}, MLP {dc.intermediate_size}, "
         f"draft vocab {dc.draft_vocab_size:,} of {dc.vocab_size:,})",
         f"memory per GPU ~{_gib(sum(mem.values()))} (estimate, {'bf16' if bf16 else 'fp32'} activations, batch "
-        f"{t.batch_size} x {t.max_len} tokens, K={t.ttt_steps}): " + ", ".join(f"{k} {_gib(v)}" for k, v in mem.items()),
+        f"{t.batch_size} x {row} tokens, K={t.ttt_steps}): " + ", ".join(f"{k} {_gib(v)}" for k, v in mem.items()),
         f"steps: ceil({n_conv:,} / ({t.batch_size} batch x {world_size} processes x {t.grad_accum} accum)) x "
         f"{t.epochs} epochs = {steps:,}",
         f"time: {_hours(train_tokens, ('train', h, layers, 'bf16' if bf16 else 'no'))} for <= {train_tokens:,} tokens"]

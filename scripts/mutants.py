@@ -13,7 +13,8 @@ found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S
 checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W4 its resume onto another
 number of processes, G1-G4 issue 14's static batched generation loop, P1-P3 data_gen's pool of
 requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
-(core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers).
+(core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
+sequence packing (train.pack_length).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ WORLD = ("tests/test_resume.py::test_two_processes_stop_and_one_process_finishes
          "tests/test_resume.py::test_one_process_stop_and_two_processes_finish_every_sample_once")
 SAMPLING = ("tests/test_speculative_modes.py::test_speculative_sampling_at_t1_keeps_the_target_distribution",)
 FAST = ("tests/test_ttt_fast_paths.py",)
+PACKING = ("tests/test_packing.py",)
 NORM_FC = ("tests/test_drafter.py",)
 TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_output",)
 ONLINE = ("tests/test_train_online.py",)
@@ -110,14 +112,31 @@ MUTANTS = [
            '"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),', "",
            ("tests/test_llamacpp_export.py",)),
     Mutant("F1", "flex TTT mask: a query no longer sees its own step-0 key", "train/ttt_attention.py",
-           "pos <= q_idx, pos == q_idx)", "pos < q_idx, pos == q_idx)", FAST),
+           "        step0 = pos <= q_idx\n", "        step0 = pos < q_idx\n", FAST),
     Mutant("F2", "TTT block mask skips the diagonal block of later steps", "train/ttt_attention.py",
-           "part_num = torch.full((1, 1, nb), steps,", "part_num = torch.full((1, 1, nb), 1,", FAST),
+           "*[diag.expand_as(part0)] * (steps - 1)]", "*[torch.zeros_like(part0)] * (steps - 1)]", FAST),
     Mutant("F3", "fused head loss forgets the per-step weights in its gradient", "train/draft_head_loss.py",
            "g = (logp.exp() * pc.sum(-1, keepdim=True) - pc) * scale[:, None]",
            "g = logp.exp() * pc.sum(-1, keepdim=True) - pc", FAST),
     Mutant("F4", "activation checkpointing recomputes with the grown key list", "train/ttt_loss.py",
-           "tuple(keys), tuple(values), block_mask)", "keys, values, block_mask)", FAST),
+           "tuple(keys), tuple(values), block_mask,", "keys, values, block_mask,", FAST),
+    Mutant("Q1", "dense TTT attention without the document mask: a packed row reads the documents before",
+           "train/ttt_attention.py", "        visible = visible & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])",
+           "        pass", PACKING),
+    Mutant("Q2", "no boundary loss mask: a row whose x[t+k+2] is the next document's counts", "train/ttt_loss.py",
+           "return m if doc_ids is None else m & (shift_left(doc_ids, k + 2) == doc_ids)", "return m", PACKING),
+    Mutant("Q3", "flex's mask_mod without the document mask", "train/ttt_attention.py",
+           "            step0 = step0 & (doc_ids[b, pos] == doc_ids[b, q_idx])", "            pass", PACKING),
+    Mutant("Q4", "document block mask skips the blocks a document crosses into", "train/ttt_attention.py",
+           "    part0 = diag | (before & ~full0 & (last[:, None, :] == first[:, :, None]))",
+           "    part0 = diag.expand_as(full0)", PACKING),
+    Mutant("Q5", "teacher rows at a document's last token (its next token is another document's)",
+           "core/hidden_shards.py", "        need[..., :-1] &= doc_ids[..., 1:] == doc_ids[..., :-1]", "        pass",
+           PACKING),
+    Mutant("Q6", "train/fit.py packs the batch but gives the objective no doc ids / positions", "train/fit.py",
+           "mask, teacher, doc_ids, positions)", "mask, teacher)", PACKING),
+    Mutant("Q7", "train/fit.py gives the objective row-wide positions (RoPE is relative: the loss hardly moves)",
+           "train/fit.py", "mask, teacher, doc_ids, positions)", "mask, teacher, doc_ids, None)", PACKING),
     Mutant("S1", "speculative sampling draws a rejected draft's replacement from p, not max(p - q, 0)",
            "core/decode.py", "residual = (p[j] - q).clamp(min=0)", "residual = p[j].clone()", SAMPLING),
     Mutant("S2", "speculative sampling accepts every draft", "core/decode.py",

@@ -85,6 +85,7 @@ def test_check_compat_refuses_a_missing_or_different_key(tmp_path):
     ("data_gen.top_p=1.5", "data_gen.top_p = 1.5: must be > 0 and <= 1"), ("eval.concurrency=[1,0]", "eval.concurrency"),
     ("extract.aux_layers=[2,-1,5]", "extract.aux_layers = [2, -1, 5]: must be >= 0"),
     ("eval.max_prompts=0", "eval.max_prompts = 0"), ("eval.max_new_tokens=0", "eval.max_new_tokens = 0"),
+    ("train.pack_length=127", "train.pack_length = 127: must be 0 (off) or >= train.max_len (128)"),
 ])
 def test_values_out_of_range_name_the_key_at_load(override, says):
     with pytest.raises(ValueError, match=re.escape(says)) as e:

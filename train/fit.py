@@ -21,6 +21,7 @@ from core.config import RunConfig
 from core.errors import UserError
 from train.checkpoint import LATEST, save_checkpoint
 from train.data import length_grouped_batches, slot_batches
+from train.packing import pack
 from train.position import Slot, batch_generator, batches_done, lr_factor, rank_slots, steps_left
 from train.tau_probe import TauProbe
 from train.ttt_loss import step_metrics, teacher_targets
@@ -59,14 +60,17 @@ def batch_loss(f: Fit, batch: dict, epoch: int, index: int, step: int):
     tc = f.cfg.train
     draft_head, t2d, raw_rms = f.head
     batch = f.source.complete(batch)  # online: the target's captures of this batch
-    mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
-    teacher = teacher_targets(batch["final"], mask, draft_head, t2d, batch["argmax"])
     aux = batch["aux"]
     if tc.aux_noise:  # in units of each raw aux feature's RMS, drawn from the batch's own stream
         g = batch_generator(f.cfg.seed, epoch, index, aux.device)
         noise = torch.rand(aux.shape, generator=g, device=aux.device, dtype=aux.dtype)
-        aux = aux + (noise * 2 - 1) * tc.aux_noise * raw_rms
-    loss, m = f.objective(aux, batch["input_ids"], mask, teacher)
+        batch = {**batch, "aux": aux + (noise * 2 - 1) * tc.aux_noise * raw_rms}
+    if tc.pack_length:  # after the noise, drawn as for the padded batch: packing changes the layout only
+        batch = pack(batch, tc.pack_length)
+    mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
+    doc_ids, positions = batch.get("doc_ids"), batch.get("positions")  # packed rows only
+    teacher = teacher_targets(batch["final"], mask, draft_head, t2d, batch["argmax"], doc_ids)
+    loss, m = f.objective(batch["aux"], batch["input_ids"], mask, teacher, doc_ids, positions)
     stop_if_not_finite(loss, "loss", step + 1, epoch, batch["ids"], f.source)
     return loss, m
 

@@ -72,7 +72,7 @@ SOURCES = {"offline": ShardSource, "online": OnlineSource}  # train/data.py: wha
 # how the step is computed, not what it computes: a run may resume with other values (source: its own keys)
 SETTINGS_EXCLUDED = ("source", "log_every", "save_every", "stop_after", "log_samples", "wandb_mode", "wandb_project",
                      "mixed_precision", "attention", "loss_chunk", "compile", "activation_checkpointing", "tau_every",
-                     "tau_prompts", "tau_new_tokens")
+                     "tau_prompts", "tau_new_tokens", "pack_length")
 
 
 def training_settings(cfg: RunConfig, source, precision: str) -> dict:
@@ -119,7 +119,8 @@ def accelerate_launch_processes() -> int:
 
 
 def step_options(tc, device: torch.device) -> dict:
-    """train.attention / compile / loss_chunk / activation_checkpointing -> TTTObjective's options."""
+    """train.attention / compile / loss_chunk / activation_checkpointing -> TTTObjective's options (train.pack_length
+    is train/fit.py's: it packs the batch, and TTTObjective reads the packed rows' doc_ids and positions)."""
     cuda = device.type == "cuda"
     choices = {"attention": ("auto", "dense", "flex"), "compile": ("auto", "yes", "no")}
     for key, allowed in choices.items():
@@ -130,8 +131,9 @@ def step_options(tc, device: torch.device) -> dict:
         raise UserError("train.attention = flex needs a CUDA device (flex attention has no backward on CPU): "
                         "use train.attention=dense")
     compile = cuda if tc.compile == "auto" else tc.compile == "yes"
-    log.info("TTT step: %s attention, fused head loss in chunks of %s rows, compile %s, activation checkpointing %s",
-             attention, tc.loss_chunk or "(off)", compile, tc.activation_checkpointing)
+    log.info("TTT step: %s attention, fused head loss in chunks of %s rows, compile %s, activation checkpointing %s, "
+             "batches %s", attention, tc.loss_chunk or "(off)", compile, tc.activation_checkpointing,
+             f"packed into rows of {tc.pack_length} tokens" if tc.pack_length else "right-padded")
     return {"attention": attention, "loss_chunk": tc.loss_chunk, "compile": compile,
             "checkpoint": tc.activation_checkpointing}
 

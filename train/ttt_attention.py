@@ -1,4 +1,5 @@
-"""Attention of one TTT step: causal over step 0's keys plus the same-position keys of steps 1..k.
+"""Attention of one TTT step: causal over step 0's keys plus the same-position keys of steps 1..k; in
+packed rows (train/packing.py) step 0's keys only of the query's own document.
 
 Two implementations of one function (train/ttt_loss.py's docstring gives the alignment):
 - `dense_ttt_attention`: [T,T] scores with an fp32 softmax. Plain and exact; the CPU path, and the
@@ -18,15 +19,19 @@ import torch
 BLOCK = 128  # flex attention's default block size
 
 
-def dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """q [B,nh,T,d]; keys/values: step 0..k, each [B,nkv,T,d]. -> [B,nh,T,d]."""
+def dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                        doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B,nh,T,d]; keys/values: step 0..k, each [B,nkv,T,d]; doc_ids [B,T] (packed rows, train/packing.py):
+    a step-0 key must also be in the query's document. -> [B,nh,T,d]."""
     nh, t, d = q.shape[1], q.shape[2], q.shape[3]
     rep = nh // keys[0].shape[1]
     ks = [k.repeat_interleave(rep, 1) for k in keys]
     vs = [v.repeat_interleave(rep, 1) for v in values]
     scale = d ** -0.5
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    s0 = (q @ ks[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B,nh,T,T]
+    visible = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    if doc_ids is not None:
+        visible = visible & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])  # [B,1,T,T]
+    s0 = (q @ ks[0].transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))  # [B,nh,T,T]
     diag = [(q * k).sum(-1, keepdim=True) * scale for k in ks[1:]]  # k x [B,nh,T,1]
     p = torch.softmax(torch.cat([s0, *diag], -1).float(), -1).to(q.dtype)
     out = p[..., :t] @ vs[0]
@@ -39,29 +44,45 @@ def padded_length(t: int) -> int:
     return -(-t // BLOCK) * BLOCK
 
 
-def ttt_block_mask(t: int, steps: int, device: torch.device):
+def ttt_block_mask(t: int, steps: int, device: torch.device, doc_ids: torch.Tensor | None = None):
     """The BlockMask of TTT step `steps - 1` for a block-aligned length t: keys are steps 0..steps-1,
     each t long. Query block i reads step 0's blocks < i in full, and partially step 0's block i
-    (causal) and block i of every later step (its diagonal)."""
+    (causal) and block i of every later step (its diagonal). With doc_ids [B,t] (packed rows, each document
+    one contiguous run) a step-0 key must also be in the query's document: step 0's blocks < i are then
+    full only inside one document, partial where a document crosses into block i, and skipped otherwise."""
     from torch.nn.attention.flex_attention import BlockMask
 
     if t % BLOCK:
         raise ValueError(f"length {t} is not a multiple of {BLOCK}: pad with padded_length()")
     nb = t // BLOCK
-    qb = torch.arange(nb, device=device, dtype=torch.int32)
-    full_num = qb[None, None]  # [1,1,nb]: blocks 0..i-1 of step 0
-    full_idx = torch.arange(nb * steps, device=device, dtype=torch.int32).expand(1, 1, nb, nb * steps).contiguous()
-    part_num = torch.full((1, 1, nb), steps, device=device, dtype=torch.int32)
-    part_idx = torch.zeros(1, 1, nb, nb * steps, device=device, dtype=torch.int32)
-    part_idx[0, 0, :, :steps] = qb[:, None] + nb * torch.arange(steps, device=device, dtype=torch.int32)[None]
+    docs = torch.zeros(1, t, dtype=torch.long, device=device) if doc_ids is None else doc_ids
+    first, last = docs[:, ::BLOCK], docs[:, BLOCK - 1::BLOCK]  # [B,nb]: the document of each block's ends
+    qb = torch.arange(nb, device=device)
+    before = qb[None, :] < qb[:, None]  # [nb,nb]: key block before query block
+    diag = torch.eye(nb, dtype=torch.bool, device=device)
+    full0 = before & (first[:, None, :] == last[:, :, None])  # [B,nb,nb]: one document across both blocks
+    part0 = diag | (before & ~full0 & (last[:, None, :] == first[:, :, None]))
+    part = torch.cat([part0, *[diag.expand_as(part0)] * (steps - 1)], -1)  # [B,nb,nb*steps]
+    full = torch.cat([full0, torch.zeros_like(part[..., nb:])], -1)
     length = torch.tensor(t, device=device)
 
     def mask_mod(b, h, q_idx, kv_idx):  # exact on every pair (eager flex evaluates it densely)
         pos = kv_idx % length
-        return torch.where(kv_idx < length, pos <= q_idx, pos == q_idx)
+        step0 = pos <= q_idx
+        if doc_ids is not None:
+            step0 = step0 & (doc_ids[b, pos] == doc_ids[b, q_idx])
+        return torch.where(kv_idx < length, step0, pos == q_idx)
 
-    return BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
-                                    seq_lengths=(t, t * steps))
+    return BlockMask.from_kv_blocks(*ordered_blocks(part), *ordered_blocks(full), BLOCK_SIZE=BLOCK,
+                                    mask_mod=mask_mod, seq_lengths=(t, t * steps))
+
+
+def ordered_blocks(visits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B,nq,nk] bool -> BlockMask's (num [B,1,nq], indices [B,1,nq,nk]): each query block's visited key
+    blocks first, in order."""
+    num = visits.sum(-1, dtype=torch.int32)
+    idx = torch.argsort((~visits).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num[:, None], idx[:, None]
 
 
 @functools.cache
@@ -73,7 +94,7 @@ def _compiled_flex():
 
 def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], block_mask,
                        compiled: bool = True) -> torch.Tensor:
-    """`dense_ttt_attention` for block-aligned T, with `ttt_block_mask(T, len(keys))`. compiled=False
+    """`dense_ttt_attention` for block-aligned T, with `ttt_block_mask(T, len(keys), doc_ids)`. compiled=False
     runs flex's eager reference (CPU tests; it has no backward on CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 

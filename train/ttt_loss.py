@@ -8,6 +8,8 @@ learns the target's distribution at position t+k+1 (which predicts x[t+k+2]); th
 where x[t+k+2] is an assistant token and the target's argmax lies in the draft vocab.
 Attention at step k: causal over step-0 keys (positions <= t) plus the same-position keys of steps
 1..k (the "diagonal"), exactly what a decode-time KV cache holds while drafting from t.
+Packed rows (train.pack_length, train/packing.py) hold several documents: positions restart in each, step-0
+keys, counted rows and teacher rows stay inside the query's document, so each trains as it would alone.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from core.drafter import Eagle3Drafter
 from core.hidden_shards import teacher_positions
@@ -39,15 +42,15 @@ def teacher_argmax(final: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_targets(final: torch.Tensor, loss_mask: torch.Tensor, draft_head: torch.Tensor, t2d: torch.Tensor,
-                    argmax: torch.Tensor):
+                    argmax: torch.Tensor, doc_ids: torch.Tensor | None = None):
     """final [B,T,H] -> (p [B,T,Vd] target probs renormalised over the draft vocab,
     top [B,T] draft index of the target argmax, in_vocab [B,T] whether that argmax is in the draft vocab).
     draft_head [Vd,H]: the target lm_head's draft-vocab rows, in the matmul dtype (bf16 on GPU; softmax
     in fp32). argmax [B,T]: the full-vocab argmax (`teacher_argmax`, precomputed once per sample).
-    Only positions j whose next token is an assistant token (loss_mask[j+1]) are ever a target, so
-    only those rows are computed."""
+    Only positions j whose next token is an assistant token (loss_mask[j+1]) of the same document (doc_ids
+    [B,T] of packed rows) are ever a target, so only those rows are computed."""
     b, t, h = final.shape
-    need = teacher_positions(loss_mask)  # [B,T]
+    need = teacher_positions(loss_mask, doc_ids)  # [B,T]
     target_to_draft = torch.cumsum(t2d.long(), 0) - 1  # target id -> draft index (where t2d)
     p = final.new_zeros(b, t, draft_head.shape[0], dtype=torch.float32)
     top = torch.zeros(b, t, dtype=torch.long, device=final.device)
@@ -63,12 +66,13 @@ def pad_to(x: torch.Tensor, t: int) -> torch.Tensor:
     return x if x.shape[1] == t else torch.cat([x, x.new_zeros(x.shape[0], t - x.shape[1], *x.shape[2:])], 1)
 
 
-def ttt_step(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, block_mask):
-    """One unrolled step: -> (h2 [B,T,H], this step's k, v). keys/values: the earlier steps'."""
+def ttt_step(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, block_mask, doc_ids):
+    """One unrolled step: -> (h2 [B,T,H], this step's k, v). keys/values: the earlier steps'. Dense
+    attention reads doc_ids; flex reads them from its block mask."""
     q, k, v, residual = drafter.qkv(hidden, tokens, positions)
     keys, values = [*keys, k], [*values, v]
     if block_mask is None:
-        attn = dense_ttt_attention(q, keys, values)
+        attn = dense_ttt_attention(q, keys, values, doc_ids)
     else:
         attn = flex_ttt_attention(q, keys, values, block_mask)
     return drafter.finish(attn, residual), k, v
@@ -81,28 +85,43 @@ def _compiled_ttt_step():
     return torch.compile(ttt_step)
 
 
+def counted(loss_mask: torch.Tensor, in_vocab: torch.Tensor, doc_ids: torch.Tensor | None, k: int) -> torch.Tensor:
+    """[B,T] -> bool [B,T]: the rows step k learns from: x[t+k+2] is trained on, the target's argmax at t+k+1
+    is in the draft vocab, and (packed rows) t+k+2 is in t's document, so nothing reads the next document."""
+    m = shift_left(loss_mask, k + 2).bool() & shift_left(in_vocab, k + 1)
+    return m if doc_ids is None else m & (shift_left(doc_ids, k + 2) == doc_ids)
+
+
 def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
              teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor], steps: int, decay: float,
-             attention: str = "dense", loss_chunk: int = 0, checkpoint: bool = False, compile: bool = False):
+             attention: str = "dense", loss_chunk: int = 0, checkpoint: bool = False, compile: bool = False,
+             doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None):
     """-> (weighted loss, per-step sums {"loss_sum", "correct", "count"}: [K] tensors, detached, not
     synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`).
     attention: "dense" | "flex" (train/ttt_attention.py); loss_chunk: rows per chunk of the fused head
     loss (0: plain autograd; train/draft_head_loss.py); checkpoint: recompute each step's layer in the
     backward instead of keeping its activations; compile: the step's layer and the head loss's elementwise
-    terms through torch.compile (fuses norms, RoPE, SiLU, softmaxes)."""
+    terms through torch.compile (fuses norms, RoPE, SiLU, softmaxes). doc_ids, positions [B,T]: packed rows
+    (train/packing.py): each token's document in its row (-1 on padding) and its position in that document."""
     step_fn = _compiled_ttt_step() if compile else ttt_step
     p, top, in_vocab = teacher
     b, t = input_ids.shape
     tp = padded_length(t) if attention == "flex" else t  # padded rows count nowhere (loss mask 0)
     aux, input_ids, loss_mask, in_vocab = (pad_to(x, tp) for x in (aux, input_ids, loss_mask, in_vocab))
-    positions = torch.arange(tp, device=aux.device)[None].expand(b, tp)
-    masks = [shift_left(loss_mask, k + 2).bool() & shift_left(in_vocab, k + 1) for k in range(steps)]  # [B,T]
+    if positions is None:
+        positions = torch.arange(tp, device=aux.device)[None].expand(b, tp)
+    else:
+        positions = pad_to(positions, tp)
+    if doc_ids is not None:
+        doc_ids = F.pad(doc_ids, (0, tp - t), value=-1)  # flex's block padding: one more run of padding
+    masks = [counted(loss_mask, in_vocab, doc_ids, k) for k in range(steps)]  # [B,T]
     where = [m.nonzero(as_tuple=True) for m in masks]
     hidden, keys, values, xs, rows = aux, [], [], [], []
     for k in range(steps):
-        block_mask = ttt_block_mask(tp, k + 1, aux.device) if attention == "flex" else None
+        block_mask = ttt_block_mask(tp, k + 1, aux.device, doc_ids) if attention == "flex" else None
         # tuples: a checkpoint's recompute must see the keys as they were, not the grown list
-        args = (drafter, hidden, shift_left(input_ids, k + 1), positions + k, tuple(keys), tuple(values), block_mask)
+        args = (drafter, hidden, shift_left(input_ids, k + 1), positions + k, tuple(keys), tuple(values), block_mask,
+                doc_ids)
         if checkpoint:
             hidden, kk, vv = torch.utils.checkpoint.checkpoint(step_fn, *args, use_reentrant=False)
         else:
@@ -140,5 +159,6 @@ class TTTObjective(torch.nn.Module):
         self.options = {"attention": attention, "loss_chunk": loss_chunk, "checkpoint": checkpoint,
                         "compile": compile}
 
-    def forward(self, aux, input_ids, loss_mask, teacher):
-        return ttt_loss(self.drafter, aux, input_ids, loss_mask, teacher, self.steps, self.decay, **self.options)
+    def forward(self, aux, input_ids, loss_mask, teacher, doc_ids=None, positions=None):
+        return ttt_loss(self.drafter, aux, input_ids, loss_mask, teacher, self.steps, self.decay, **self.options,
+                        doc_ids=doc_ids, positions=positions)
