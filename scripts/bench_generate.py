@@ -50,10 +50,27 @@ def one_path(model, path: str, prompts: list[list[int]], new: int):
                                   pad_token_id=0)[:, ids.shape[1]:].tolist()
 
 
-def bench_batch(model, paths: list[str], b: int, prompt_len: int, new: int, bandwidth: float, repeats: int) -> list[dict]:
+def random_prompts(model, b: int, prompt_len: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(b)
     lengths = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (b,), generator=g).tolist()
-    prompts = [torch.randint(100, model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(100, model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def profile_decode(model, b: int, prompt_len: int, new: int = 32) -> None:
+    """Where decode's GPU time goes, by kernel: one eager call (prefill + `new` steps; a CUDA graph
+    replays the very same kernels, without the launch gaps)."""
+    run = one_path(model, "eager", random_prompts(model, b, prompt_len), new)
+    run()  # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    print(f"profile of one eager call at batch {b}, prompts of {prompt_len // 2}-{prompt_len} tokens, {new} new:")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
+
+
+def bench_batch(model, paths: list[str], b: int, prompt_len: int, new: int, bandwidth: float, repeats: int) -> list[dict]:
+    prompts = random_prompts(model, b, prompt_len)
+    lengths = [len(x) for x in prompts]
     ids, mask, pos = left_padded(prompts, model.device)
     with torch.inference_mode():
         t_prefill = timed(lambda: prefill(model, new_cache(model, ids.shape[1] + new), ids, mask, pos), model.device)
@@ -114,6 +131,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bandwidth", type=float, default=0.0, help="peak GB/s; 0 = measure a large copy")
     p.add_argument("--out", default="", help="write the rows as JSON here")
+    p.add_argument("--profile", type=int, default=0, help="first print the kernel time table of decode at this "
+                                                          "batch size (CUDA)")
     args = p.parse_args()
     cfg = load_config(None, [f"target.model={args.target}", f"target.dtype={args.dtype}", f"target.device={args.device}"])
     model, _ = load_target(cfg)
@@ -125,6 +144,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(model.device) if cuda else f"{torch.get_num_threads()} threads"
     print(f"{args.target} {model.dtype} on {model.device} ({name}), bandwidth {bandwidth / 1e9:.0f} GB/s"
           f"{'' if args.bandwidth else ' (copy)'}; bound = weights + K/V up to each length, read once a step")
+    if args.profile and cuda:
+        profile_decode(model, args.profile, args.prompt_len)
     rows = [r for b in args.batch for r in bench_batch(model, paths, b, args.prompt_len, args.new_tokens, bandwidth,
                                                         args.repeats)]
     print(report(rows))

@@ -18,8 +18,9 @@ Not counted: norms, RoPE, SiLU, softmaxes, the teacher's draft-vocab matmul (2*H
 is handed target logits instead). MFU against --peak-tflops (784: bf16 matmul measured on an H200).
 
 --parity first checks, on the GPU in fp32, that the fast path (flex attention, compiled step, fused
-head loss) gives the plain reference path's loss, per-step sums and every gradient (CPU tests cannot:
-flex attention has no CPU backward). SpecForge's harness (if given) runs first, as a subprocess.
+head loss) gives the plain reference path's loss, per-step sums and every gradient, also with its two
+samples packed as one row of two documents (`fast_packed`, train.pack_length). CPU tests cannot: flex
+attention has no CPU backward. SpecForge's harness (if given) runs first, as a subprocess.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.config import TrainConfig  # noqa: E402
 from core.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from train.loop import frozen_to_matmul_dtype, step_options  # noqa: E402
+from train.packing import pack  # noqa: E402
 from train.ttt_loss import TTTObjective, teacher_targets  # noqa: E402
 
 SHAPE = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, draft_vocab=32000)
@@ -150,15 +152,20 @@ def parity(args, device) -> dict:
         if p.dim() == 2 and p.requires_grad:
             torch.nn.init.normal_(p, std=p.shape[1] ** -0.5)
     x = batch(s, 2, 300, d, device, mask_frac=0.6, seed=5)
-    teacher = teacher_targets(x["final"], x["loss_mask"], torch.randn(s["draft_vocab"], s["hidden"], device=device),
-                              d.t2d, x["argmax"])
+    head = torch.randn(s["draft_vocab"], s["hidden"], device=device)
+    # the same two samples as one packed row of two documents (train.pack_length): must train the same
+    p = pack({**x, "valid": torch.ones_like(x["loss_mask"])}, 640)
+    padded = (x, teacher_targets(x["final"], x["loss_mask"], head, d.t2d, x["argmax"]), {})
+    packed = (p, teacher_targets(p["final"], p["loss_mask"], head, d.t2d, p["argmax"], p["doc_ids"]),
+              {"doc_ids": p["doc_ids"], "positions": p["positions"]})
+    fast = {"attention": "flex", "loss_chunk": 128, "compile": "yes"}
     out = {}
-    for name, o in {"reference": {"attention": "dense", "loss_chunk": 0, "compile": "no"},
-                    "fast": {"attention": "flex", "loss_chunk": 128, "compile": "yes"},
-                    "fast_ckpt": {"attention": "flex", "loss_chunk": 128, "compile": "yes",
-                                  "activation_checkpointing": True}}.items():
+    for name, o, (y, teacher, docs) in (("reference", {"attention": "dense", "loss_chunk": 0, "compile": "no"}, padded),
+                                        ("fast", fast, padded),
+                                        ("fast_ckpt", {**fast, "activation_checkpointing": True}, padded),
+                                        ("fast_packed", fast, packed)):
         d.zero_grad(set_to_none=True)
-        loss, sums = objective_for(d, device, 4, o)(x["aux"], x["input_ids"], x["loss_mask"], teacher)
+        loss, sums = objective_for(d, device, 4, o)(y["aux"], y["input_ids"], y["loss_mask"], teacher, **docs)
         loss.backward()
         out[name] = (loss.detach(), sums, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None})
     ref_loss, ref_sums, ref_grads = out.pop("reference")
