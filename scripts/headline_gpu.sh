@@ -8,6 +8,8 @@
 #                                                    # pipeline runs on in the background (setsid), past the command
 #           scripts/headline_gpu.sh wait             # follow it for WAIT_S seconds (as many commands as it takes)
 #           PACK=1 scripts/headline_gpu.sh wait      # the last: whatever is done goes to $OUT
+# Data accumulates over sessions: `pack` takes the conversations too; unpacked here into .gpurun/c, a
+# third carry's `restore` puts them back before `start`, and data_gen continues where they end.
 # Or phase by phase, each in the foreground: generate, train, eval, bench, results.
 # The tree travels with every command and results/ holds a tracked drafter (29 MB): for the session, take it
 # out of what travels (`git rm -q --cached results/*/drafter/model.safetensors` and add that path to
@@ -62,6 +64,8 @@ for phase in "$@"; do
     cp .gpurun/b/mt_bench.jsonl $S/mt_bench.jsonl
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
     $PY -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)" || true ;;
+  restore)  # device, carry .gpurun/c: an earlier session's conversations (data_gen skips what they hold)
+    mkdir -p $RUN && rm -rf $RUN/conversations && cp -r .gpurun/c/conversations $RUN/ && ls $RUN/conversations | head ;;
   generate)
     bounded data_gen --config $CFG --run-dir $RUN ;;
   generate-for)  # data_gen for GEN_S seconds; what it committed by then is the training data
@@ -118,14 +122,14 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
     tail -n 3 $RUN/evals/*.log; [ $rc -eq 0 ] ;;
   pack)  # what comes back (at most 8 files of 16 MiB): one tar.xz of the results, cut into 15 MB parts
-    # here: cat headline.tar.xz.* | tar -xJ   (the drafter, train curves/metrics/manifest, data summary, evals, logs)
+    # here: cat headline.tar.xz.* | tar -xJ   (the drafter, train curves/metrics/manifest, the conversations, evals, logs)
     : "${OUT:?pack writes to \$OUT}"
     (cd $S && tar -cJf - --ignore-failed-read run/drafter run/train/metrics.jsonl run/train/curves.png \
-       run/train/manifest.json run/conversations/summary.json run/conversations/manifest.json run/evals logs) |
+       run/train/manifest.json run/conversations run/evals logs) |
       split -b 15000000 - "$OUT/headline.tar.xz."
     ls -la "$OUT" ;;
   results)  # a marker in the pipeline's log: what `pack` would take is complete up to here
     echo "== results ready: $(ls $RUN/drafter $RUN/evals 2>/dev/null | tr '\n' ' ')" ;;
-  *) echo "unknown phase $phase (pack-inputs stash setup bench-first generate generate-for train train-for start wait bench eval results pack)" >&2; exit 2 ;;
+  *) echo "unknown phase $phase (pack-inputs stash setup restore bench-first generate generate-for train train-for start wait bench eval results pack)" >&2; exit 2 ;;
   esac
 done
