@@ -46,15 +46,18 @@ from train.packing import pack  # noqa: E402
 from train.ttt_loss import TTTObjective, teacher_targets  # noqa: E402
 
 SHAPE = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, draft_vocab=32000)
+DOC_VARIANTS = ("fast_docs",)  # rows of packed documents instead of one document per row
 SMOKE = dict(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, draft_vocab=128)
 
 
-def flops_per_token(s: dict, t: int, k_steps: int) -> float:
+def flops_per_token(s: dict, t: int, k_steps: int, span: float | None = None) -> float:
+    """span: the mean number of step-0 keys a query attends to ((t+1)/2 for one causal document)."""
     h, d = s["hidden"], s["head_dim"]
+    span = (t + 1) / 2 if span is None else span
     fc = 2 * 3 * h * h
     linear = (2 * 2 * h * (s["heads"] + 2 * s["kv_heads"]) * d + 2 * s["heads"] * d * h
               + 2 * 3 * h * s["intermediate"] + 2 * h * s["draft_vocab"])
-    attn = sum(4 * s["heads"] * d * ((t + 1) / 2 + k) for k in range(k_steps))
+    attn = sum(4 * s["heads"] * d * (span + k) for k in range(k_steps))
     return 2 * fc + 3 * (k_steps * linear + attn)
 
 
@@ -86,6 +89,20 @@ def batch(s: dict, b: int, t: int, d: Eagle3Drafter, device, mask_frac: float = 
             "loss_mask": loss_mask, "argmax": argmax}
 
 
+def documents(t: int, b: int, device) -> tuple[dict, float]:
+    """Each row as packed documents of 1/16..1/4 of t tokens (train.pack_length): -> ({doc_ids, positions}
+    [b,t]), the mean causal span a query attends to)."""
+    g = torch.Generator().manual_seed(t)
+    lengths = []
+    while sum(lengths) < t:
+        lengths.append(min(int(torch.randint(t // 16, t // 4 + 1, (1,), generator=g)), t - sum(lengths)))
+    n = torch.tensor(lengths)
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), n)
+    positions = torch.cat([torch.arange(k) for k in lengths])
+    span = float((n * (n + 1) / 2).sum()) / t
+    return {"doc_ids": doc_ids.expand(b, t).to(device), "positions": positions.expand(b, t).to(device)}, span
+
+
 def objective_for(d: Eagle3Drafter, device, k_steps: int, overrides: dict) -> TTTObjective:
     tc = TrainConfig(**overrides)
     return TTTObjective(d, k_steps, 0.8, **step_options(tc, device))
@@ -102,13 +119,14 @@ def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
     draft_head = (torch.randn(s["draft_vocab"], s["hidden"], device=device) * s["hidden"] ** -0.5).to(
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     x = batch(s, args.batch, t, d, device)
+    docs, span = documents(t, args.batch, device) if variant in DOC_VARIANTS else ({}, None)
     params = [p for p in objective.parameters() if p.requires_grad]
 
     def step():
         for p in params:
             p.grad = None
-        teacher = teacher_targets(x["final"], x["loss_mask"], draft_head, d.t2d, x["argmax"])
-        loss, sums = objective(x["aux"], x["input_ids"], x["loss_mask"], teacher)
+        teacher = teacher_targets(x["final"], x["loss_mask"], draft_head, d.t2d, x["argmax"], docs.get("doc_ids"))
+        loss, sums = objective(x["aux"], x["input_ids"], x["loss_mask"], teacher, **docs)
         accelerator.backward(loss)
         return loss
 
@@ -132,7 +150,7 @@ def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times = [timed() for _ in range(args.iters)]
     med = statistics.median(times)
-    fl = flops_per_token(s, t, args.ttt) * args.batch * t
+    fl = flops_per_token(s, t, args.ttt, span) * args.batch * t
     rec.update(step_ms=round(med * 1e3, 1), step_ms_min=round(min(times) * 1e3, 1),
                step_ms_max=round(max(times) * 1e3, 1), tokens_per_s=round(args.batch * t / med),
                mfu=round(fl / med / (args.peak_tflops * 1e12), 4),
@@ -186,7 +204,8 @@ def main() -> None:
     ap.add_argument("--seqlens", default="2048,4096,8192,16384")
     ap.add_argument("--variants", default="fast,fast_ckpt",
                     help="fast (flex + compile + fused loss: the GPU defaults) | fast_ckpt (+ activation "
-                         "checkpointing) | eager (flex + fused loss, no compile) | dense (the CPU path)")
+                         "checkpointing) | fast_docs (fast on rows of packed documents, train.pack_length; MFU counts "
+                         "the attention they need) | eager (flex + fused loss, no compile) | dense (the CPU path)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=3)
@@ -202,7 +221,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     s = SMOKE if args.smoke else SHAPE
     seqlens = [int(x) for x in args.seqlens.split(",")]
-    variants = {"fast": {}, "fast_ckpt": {"activation_checkpointing": True},
+    variants = {"fast": {}, "fast_ckpt": {"activation_checkpointing": True}, "fast_docs": {},
                 "eager": {"compile": "no"}, "dense": {"attention": "dense", "compile": "no"}}
     if args.smoke:
         seqlens, args.warmup, args.iters = [64], 1, 2
