@@ -72,14 +72,14 @@ for phase in "$@"; do
     PHASE_S=${GEN_S:-330} CUT_OK=1 bounded data_gen --config $CFG --run-dir $RUN ;;
   train)
     bounded train --config $CFG --run-dir $RUN ${EPOCHS:+train.epochs=$EPOCHS} ;;
-  train-for)  # as many epochs as fit TRAIN_S at TRAIN_TOK_S (dense attention, the target's forward included)
+  train-for)  # as many epochs as fit TRAIN_S at TRAIN_TOK_S (the target's forward included); TRAIN_ARGS: more overrides
     tokens=$("$PY" -c "import sys, pyarrow.parquet as pq, pathlib
 print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combine_chunks().value_lengths().to_pylist())
           for f in sorted(pathlib.Path(sys.argv[1]).glob('part-*.parquet'))))" $RUN/conversations)
     EPOCHS=$(( (2 * ${TRAIN_S:-480} * ${TRAIN_TOK_S:-30000} / (tokens > 0 ? tokens : 1) + 1) / 2 ))  # rounded
     EPOCHS=$(( EPOCHS < 1 ? 1 : (EPOCHS > ${MAX_EPOCHS:-6} ? ${MAX_EPOCHS:-6} : EPOCHS) ))
     echo "== $tokens tokens of conversations: $EPOCHS epochs"
-    PHASE_S=$(( ${TRAIN_S:-480} * 2 )) bounded train --config $CFG --run-dir $RUN train.epochs=$EPOCHS ;;
+    PHASE_S=$(( ${TRAIN_S:-480} * 2 )) bounded train --config $CFG --run-dir $RUN train.epochs=$EPOCHS ${TRAIN_ARGS:-} ;;
   start)  # the rest of the run in the background, from a copy of the code (a later command's sync can't touch it)
     rm -rf $S/code $S/done && mkdir -p $S/code $S/logs && cp -r core data_gen extract train eval scripts configs $S/code/
     (set +e; cd $S/code && STASH=$S setsid nohup bash scripts/headline_gpu.sh ${PIPELINE:-generate-for train-for results \
