@@ -10,7 +10,7 @@ exit (a collection error says the mutant broke the import, not the behaviour), i
 Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, K1-K2 the two it
 found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S1-S2 and T1-T2 issue
 10's speculative sampling and draft trees, F1-F4 issue 13's fast TTT step (flex block mask, fused loss,
-checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W4 its resume onto another
+checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W5 its resume onto another
 number of processes, G1-G4 issue 14's static batched generation loop, P1-P3 data_gen's pool of
 requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
 (core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
@@ -166,6 +166,11 @@ MUTANTS = [
     Mutant("W4", "the data position restored as batches of this launch's ranks (old skip_first_batches count)",
            "train/fit.py", "        done = batches_done(batches, epoch_samples, where)\n",
            "        done = batches_done(batches, epoch_samples, where) // world\n", WORLD),
+    Mutant("W5", "every process starts its own W&B run (not rank 0 alone)", "train/loop.py",
+           "accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg), init_kwargs={\n"
+           "            \"wandb\": {\"dir\": str(train_dir), \"name\": cfg.name, \"mode\": tc.wandb_mode}})",
+           "__import__(\"wandb\").init(project=tc.wandb_project, config=to_dict(cfg),\n"
+           "            **{\"dir\": str(train_dir), \"name\": cfg.name, \"mode\": tc.wandb_mode})", WORLD[:1]),
     Mutant("N11", "atomic writes keep the writer's 0600 mode", "core/atomic_io.py",
            "        os.chmod(tmp, FILE_MODE)\n", "",
            ("tests/test_pipeline.py::test_outputs_are_readable_by_other_users",)),
