@@ -126,9 +126,10 @@ def _finished(tokens: list[int], stop_ids: set[int]) -> Generation:
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
              temperature: float = 0.0, generator: torch.Generator | None = None,
-             bf16_prefill: bool = False, graphs: bool = False, check_every: int = 16) -> list[Generation]:
+             bf16_prefill: bool = False, graphs: bool = False, check_every: int = 16,
+             fuse: bool = False) -> list[Generation]:
     """Batched generation with left padding: prefill, then one `DecodeStep` per token (graphs: replayed
-    as a CUDA graph) until every row has hit a stop id (kept in its tokens) or max_new_tokens. Batch 1
+    as a CUDA graph; fuse: through torch.compile first, core/decode_step.py) until every row has hit a stop id (kept in its tokens) or max_new_tokens. Batch 1
     is eval's greedy baseline. Tokens stay on the device until the end, and "is every row done?" is
     asked only every `check_every` steps (each ask waits for the device); rows keep decoding past their
     stop meanwhile, and those tokens are dropped. At T>0 the generator is then wound back to where a
@@ -141,7 +142,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: lis
     b, width = ids.shape
     cache = new_cache(model, width + max_new_tokens)
     logits, _ = prefill(model, cache, ids, mask, pos, bf16=bf16_prefill)
-    step = DecodeStep(model, cache, torch.cat([mask, mask.new_ones(b, max_new_tokens)], 1), pos[:, -1:] + 1, graphs)
+    step = DecodeStep(model, cache, torch.cat([mask, mask.new_ones(b, max_new_tokens)], 1), pos[:, -1:] + 1, graphs,
+                      fuse)
     out = torch.empty(b, max_new_tokens, dtype=torch.long, device=device)
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
     states, since = [], 0  # the generator's state after each draw since the last check, from step `since`

@@ -5,6 +5,9 @@ Why a CUDA graph: a decode step of a small target is hundreds of small kernels l
 from Python through HF's 30-layer forward, so on a GPU it costs the launches, not the math
 (SmolLM2 at batch 256 on an H200: 77 ms a step). A captured graph launches the very same kernels in
 one call, so its logits are bitwise the eager step's, which torch.compile's fusions would not promise.
+`fuse` (data_gen.compile=fused) first passes the step through torch.compile: those few hundred kernels
+(RoPE, norms, casts, cache copies; ~7 ms of a 10.7 ms step at batch 256 on an H200) become a few dozen,
+but fused arithmetic rounds differently, so bf16 tokens may part from the eager loop's: opt-in.
 What makes one capture replayable: every input sits at a fixed address and everything that changes
 between steps changes on the device. The token is copied into `token`; the positions and the static
 cache's write slot (transformers' StaticLayer.cumulative_length, which its update advances in place)
@@ -13,16 +16,22 @@ move by one inside the step; the padding mask spans the whole cache from the sta
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import StaticCache
 
 from core.errors import UserError
 
 
+FUSE_BACKEND = "inductor"  # the CPU test traces with "aot_eager": the same capture, no kernel generation
+
+
 class DecodeStep:
     """Feeds one token per row [B] at the cache's next slot -> next-token logits [B,V]."""
 
-    def __init__(self, model, cache: StaticCache, mask: torch.Tensor, positions: torch.Tensor, graphs: bool):
+    def __init__(self, model, cache: StaticCache, mask: torch.Tensor, positions: torch.Tensor, graphs: bool,
+                 fuse: bool = False):
         """mask [B, cache length]: the prompt's padding, then ones (causality hides the slots not yet
         written, so the mask never changes); positions [B,1]: the next token's, one more each step."""
         if graphs and model.device.type != "cuda":
@@ -30,13 +39,14 @@ class DecodeStep:
         self.model, self.cache, self.mask, self.positions, self.graphs = model, cache, mask, positions, graphs
         self.token = torch.zeros_like(positions)  # [B,1]
         self.graph, self.logits = None, None
+        self.run = functools.partial(_fused_forward(FUSE_BACKEND), self) if fuse else self._forward
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         self.token.copy_(token[:, None])
         if self.graph is not None:
             self.graph.replay()
             return self.logits
-        return self._capture() if self.graphs else self._forward()
+        return self._capture() if self.graphs else self.run()
 
     def _forward(self) -> torch.Tensor:
         out = self.model(input_ids=self.token, attention_mask=self.mask, position_ids=self.positions,
@@ -51,14 +61,21 @@ class DecodeStep:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            logits = self._forward()
+            logits = self.run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self.logits = self._forward()
+                self.logits = self.run()
         except RuntimeError as e:
             raise UserError(f"CUDA graph capture of the decode step failed ({e}); this target's forward is not "
                             "capturable: decode without graphs (data_gen.compile=no)") from e
         self.graph = graph
         return logits
+
+
+@functools.cache
+def _fused_forward(backend: str):
+    """DecodeStep._forward through torch.compile, once per process: shapes that change from call to call
+    (batch, cache length) become dynamic after the second, instead of a compile per shape."""
+    return torch.compile(DecodeStep._forward, backend=backend)

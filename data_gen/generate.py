@@ -50,7 +50,7 @@ def check_options(cfg: RunConfig) -> None:
     dg = cfg.data_gen
     for key, value, allowed in (("backend", dg.backend, ("hf", "openai", "dataset")), ("reasoning", dg.reasoning,
                                 ("drop", "field", "render")), ("on_bad_record", dg.on_bad_record, ("strict", "skip")),
-                                ("compile", dg.compile, ("auto", "yes", "no"))):
+                                ("compile", dg.compile, ("auto", "yes", "no", "fused"))):
         if value not in allowed:
             raise UserError(f"data_gen.{key} = {value!r}: use one of {' | '.join(allowed)}")
     if dg.backend == "openai" and not dg.base_url:
@@ -63,12 +63,13 @@ def check_options(cfg: RunConfig) -> None:
                         "use data_gen.n=1")
 
 
-def decode_graphs(dg, device: torch.device) -> bool:
-    """data_gen.compile -> whether the hf backend replays its decode steps as CUDA graphs."""
+def decode_options(dg, device: torch.device) -> tuple[bool, bool]:
+    """data_gen.compile -> (replay the hf backend's decode steps as CUDA graphs, fuse them with torch.compile)."""
     if dg.compile == "yes" and device.type != "cuda":
         raise UserError(f"data_gen.compile = yes needs a CUDA target device (CUDA graphs), not {device}: "
                         "use data_gen.compile=auto or no")
-    return device.type == "cuda" if dg.compile == "auto" else dg.compile == "yes"
+    graphs = device.type == "cuda" if dg.compile in ("auto", "fused") else dg.compile == "yes"
+    return graphs, dg.compile == "fused"
 
 
 def end_of_turn_strings(cfg: RunConfig, tok, generation_config) -> list[str]:
@@ -257,10 +258,11 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
     try:
         if dg.backend == "hf":
             stop = sorted(set(end_of_turn_ids(tok, gen_cfg)) | set(tok.convert_tokens_to_ids(eot)))
-            graphs = decode_graphs(dg, model.device)
-            log.info("hf backend on %s: decode steps %s", model.device, "as CUDA graphs" if graphs else "eager")
+            graphs, fuse = decode_options(dg, model.device)
+            log.info("hf backend on %s: decode steps %s%s", model.device, "as CUDA graphs" if graphs else "eager",
+                     ", fused by torch.compile" if fuse else "")
             backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, cfg.seed,
-                                resolve_precision(dg.mixed_precision) == "bf16", graphs)
+                                resolve_precision(dg.mixed_precision) == "bf16", graphs, fuse)
             completed = run_hf(todo, backend, tok, cfg, sink, bar)
         elif dg.backend == "dataset":
             run_dataset(todo, tok, dg, backend_template_reasoning(tok, cfg), sink, bar)

@@ -10,16 +10,16 @@ from data_gen.openai_client import Reply
 
 class HFBackend:
     def __init__(self, model, tokenizer, stop_ids: list[int], max_new_tokens: int, temperature: float,
-                 seed: int, bf16_prefill: bool, graphs: bool):
+                 seed: int, bf16_prefill: bool, graphs: bool, fuse: bool = False):
         self.model, self.tok, self.stop_ids, self.bf16_prefill = model, tokenizer, stop_ids, bf16_prefill
-        self.graphs = graphs
+        self.graphs, self.fuse = graphs, fuse
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.rng = torch.Generator(device=model.device).manual_seed(seed)
 
     def answer(self, prompts: list[list[int]]) -> list[Reply]:
         """Replies to templated prompt ids, in order, as one batch: the caller sizes it (data_gen.batch_size)."""
         gens = generate(self.model, prompts, self.max_new_tokens, self.stop_ids, self.temperature, self.rng,
-                        self.bf16_prefill, self.graphs)
+                        self.bf16_prefill, self.graphs, fuse=self.fuse)
         replies = []
         for g in gens:
             body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens  # without the end-of-turn token

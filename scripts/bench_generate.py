@@ -5,7 +5,8 @@ bound, eager and replayed as CUDA graphs, beside HF `model.generate`; fails if t
         --batch 1 16 64 256 --prompt-len 128 --new-tokens 128 --out bench_generate.json
 
 Paths: eager (data_gen.compile=no: every kernel launched from Python, the loop without graphs),
-graphs (data_gen.compile=yes, CUDA only), hf (`model.generate`, greedy, its dynamic cache). Random
+graphs (data_gen.compile=yes, CUDA only), fused (data_gen.compile=fused: torch.compile, then graphs on CUDA;
+its rows equal to eager are reported, not required: fused bf16 arithmetic rounds differently), hf (`model.generate`, greedy, its dynamic cache). Random
 prompts of prompt-len/2..prompt-len tokens, left padded; no stop ids, so every row decodes
 new-tokens; T=0. A call is timed whole (prefill, graph capture, decode; what data_gen waits for),
 warm-up excluded, median of --repeats; decode ms/step leaves out a prefill timed alone. The bound:
@@ -44,7 +45,8 @@ def bound_seconds(model, lengths: list[int], new: int, bandwidth: float) -> floa
 def one_path(model, path: str, prompts: list[list[int]], new: int):
     """-> a function generating the tokens of every row along `path`."""
     if path != "hf":
-        return lambda: [g.tokens for g in generate(model, prompts, new, [], graphs=path == "graphs")]
+        graphs = path == "graphs" or (path == "fused" and model.device.type == "cuda")
+        return lambda: [g.tokens for g in generate(model, prompts, new, [], graphs=graphs, fuse=path == "fused")]
     ids, mask, _ = left_padded(prompts, model.device)
     return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                   pad_token_id=0)[:, ids.shape[1]:].tolist()
@@ -126,7 +128,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--paths", nargs="+", choices=["eager", "graphs", "hf"], default=None,
+    p.add_argument("--paths", nargs="+", choices=["eager", "graphs", "fused", "hf"], default=None,
                    help="default: eager, graphs (CUDA only) and hf")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bandwidth", type=float, default=0.0, help="peak GB/s; 0 = measure a large copy")

@@ -68,8 +68,8 @@ for phase in "$@"; do
     mkdir -p $RUN && rm -rf $RUN/conversations && cp -r .gpurun/c/conversations $RUN/ && ls $RUN/conversations | head ;;
   generate)
     bounded data_gen --config $CFG --run-dir $RUN ;;
-  generate-for)  # data_gen for GEN_S seconds; what it committed by then is the training data
-    PHASE_S=${GEN_S:-330} CUT_OK=1 bounded data_gen --config $CFG --run-dir $RUN ;;
+  generate-for)  # data_gen for GEN_S seconds; what it committed by then is the training data; GEN_ARGS: overrides
+    PHASE_S=${GEN_S:-330} CUT_OK=1 bounded data_gen --config $CFG --run-dir $RUN ${GEN_ARGS:-} ;;
   train)
     bounded train --config $CFG --run-dir $RUN ${EPOCHS:+train.epochs=$EPOCHS} ;;
   train-for)  # as many epochs as fit TRAIN_S at TRAIN_TOK_S (the target's forward included); TRAIN_ARGS: more overrides
@@ -97,8 +97,8 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     if [ -n "${PACK:-}" ]; then exec "$0" pack; fi ;;
   bench-first)  # decode at data_gen's real context lengths (the grouped decode attention), extraction on real weights
     mkdir -p $S/logs
-    timeout 150 "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch 256 512 \
-      --prompt-len 1024 --new-tokens 128 --paths eager graphs --repeats 1 --out $S/logs/bench_generate_1024.json \
+    timeout 300 "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch 256 512 \
+      --prompt-len 1024 --new-tokens 128 --paths eager graphs fused --repeats 1 --out $S/logs/bench_generate_1024.json \
       2>&1 | tee $S/logs/bench_generate_1024.log || true
     timeout 90 "$PY" scripts/bench_extract.py --config $CFG --device cuda 2>&1 | tee $S/logs/bench_extract.log || true ;;
   bench)  # each stage's figure against its limit, on this machine (docs/PERFORMANCE.md), real SmolLM2 weights

@@ -11,7 +11,7 @@ Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, 
 found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S1-S2 and T1-T2 issue
 10's speculative sampling and draft trees, F1-F4 issue 13's fast TTT step (flex block mask, fused loss,
 checkpointing), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W5 its resume onto another
-number of processes, G1-G4 issue 14's static batched generation loop, P1-P3 data_gen's pool of
+number of processes, G1-G5 issue 14's static batched generation loop, P1-P3 data_gen's pool of
 requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
 (core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
 sequence packing (train.pack_length).
@@ -194,6 +194,9 @@ MUTANTS = [
     Mutant("G3", "the static mask hides the generated tokens' slots", "core/decode.py",
            "mask.new_ones(b, max_new_tokens)", "mask.new_zeros(b, max_new_tokens)", STATIC),
     Mutant("G4", "decode positions never advance", "core/decode_step.py", "        self.positions.add_(1)\n", "",
+           STATIC),
+    Mutant("G5", "data_gen.compile=fused decodes eagerly (the compiled step never runs)", "core/decode_step.py",
+           "functools.partial(_fused_forward(FUSE_BACKEND), self) if fuse else self._forward", "self._forward",
            STATIC),
     Mutant("P1", "a part is committed once any one of its conversations is finished", "data_gen/batch_pool.py",
            "running[committed] == 0:", "running[committed] < len(parts[committed]):", POOL),

@@ -10,7 +10,7 @@ from core.chat import prompt_ids
 from core.config import load_config
 from core.decode import decode_one, generate, new_cache, prefill
 from core.target import load_target
-from data_gen.generate import decode_graphs, generation_settings
+from data_gen.generate import decode_options, generation_settings
 from tests.conftest import ROOT
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.", "Hi"]
@@ -115,12 +115,33 @@ def test_cuda_graph_replay_writes_the_eager_tokens(tiny):
 
 
 def test_data_gen_compile_changes_how_not_what(tiny_cfg):
-    on, off = (load_config(ROOT / "configs/tiny-random-llama.yaml", [f"data_gen.compile={v}"]) for v in ("yes", "no"))
-    assert generation_settings(on, "t") == generation_settings(off, "t")
+    on, off, fused = (load_config(ROOT / "configs/tiny-random-llama.yaml", [f"data_gen.compile={v}"])
+                      for v in ("yes", "no", "fused"))
+    assert generation_settings(on, "t") == generation_settings(off, "t") == generation_settings(fused, "t")
     cpu = torch.device("cpu")
-    assert not decode_graphs(off.data_gen, cpu) and not decode_graphs(tiny_cfg.data_gen, cpu)  # auto: off on CPU
+    assert decode_options(off.data_gen, cpu) == decode_options(tiny_cfg.data_gen, cpu) == (False, False)  # auto: CPU
+    assert decode_options(fused.data_gen, cpu) == (False, True)
     with pytest.raises(ValueError, match="data_gen.compile"):
-        decode_graphs(on.data_gen, cpu)
+        decode_options(on.data_gen, cpu)
+
+
+def test_fused_decode_steps_run_compiled_and_write_the_plain_loops_tokens(tiny, monkeypatch):
+    """data_gen.compile=fused: the step goes through torch.compile. Traced here with aot_eager (the same
+    capture and functionalization as inductor, no kernel generation: seconds on a CPU, and the eager
+    kernels, so the tokens must be the plain loop's); inductor's speed and rounding are GPU figures
+    (scripts/bench_generate.py --paths fused)."""
+    import torch._dynamo
+
+    model, prompts = tiny
+    monkeypatch.setattr(core.decode_step, "FUSE_BACKEND", "aot_eager")
+    core.decode_step._fused_forward.cache_clear()
+    torch._dynamo.reset()
+    stop = stops_at(plain_generate(model, prompts, 12, []), {0: 3})
+    want = plain_generate(model, prompts, 12, stop)
+    for _ in range(2):  # a second call reuses the compiled step
+        assert [g.tokens for g in generate(model, prompts, 12, stop, fuse=True)] == want
+    assert core.decode_step._fused_forward.cache_info().misses == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # a graph was captured, not skipped
 
 
 def test_bench_compares_a_path_listed_before_eager(tiny):
