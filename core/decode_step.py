@@ -23,7 +23,6 @@ from transformers import StaticCache
 
 from core.errors import UserError
 
-
 FUSE_BACKEND = "inductor"  # the CPU test traces with "aot_eager": the same capture, no kernel generation
 
 
