@@ -129,12 +129,13 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: lis
              bf16_prefill: bool = False, graphs: bool = False, check_every: int = 16,
              fuse: bool = False) -> list[Generation]:
     """Batched generation with left padding: prefill, then one `DecodeStep` per token (graphs: replayed
-    as a CUDA graph; fuse: through torch.compile first, core/decode_step.py) until every row has hit a stop id (kept in its tokens) or max_new_tokens. Batch 1
-    is eval's greedy baseline. Tokens stay on the device until the end, and "is every row done?" is
-    asked only every `check_every` steps (each ask waits for the device); rows keep decoding past their
-    stop meanwhile, and those tokens are dropped. At T>0 the generator is then wound back to where a
-    loop that stops at once would leave it, so neither check_every nor graphs changes what is drawn
-    next (generator=None: the global RNG is not wound back)."""
+    as a CUDA graph; fuse: through torch.compile first, core/decode_step.py) until every row has hit a
+    stop id (kept in its tokens) or max_new_tokens. Batch 1 is eval's greedy baseline. Tokens stay on
+    the device until the end, and "is every row done?" is asked only every `check_every` steps (each
+    ask waits for the device); rows keep decoding past their stop meanwhile, and those tokens are
+    dropped. At T>0 the generator is then wound back to where a loop that stops at once would leave it,
+    so neither check_every nor graphs changes what is drawn next (generator=None: the global RNG is not
+    wound back)."""
     if max_new_tokens < 1 or check_every < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens}, check_every = {check_every}; both must be >= 1")
     device = model.device

@@ -6,8 +6,8 @@ bound, eager and replayed as CUDA graphs, beside HF `model.generate`; fails if t
 
 Paths: eager (data_gen.compile=no: every kernel launched from Python, the loop without graphs),
 graphs (data_gen.compile=yes, CUDA only), fused (data_gen.compile=fused: torch.compile, then graphs on CUDA;
-its rows equal to eager are reported, not required: fused bf16 arithmetic rounds differently), hf (`model.generate`, greedy, its dynamic cache). Random
-prompts of prompt-len/2..prompt-len tokens, left padded; no stop ids, so every row decodes
+its rows equal to eager are reported, not required: fused bf16 arithmetic rounds differently), hf
+(`model.generate`, greedy, its dynamic cache). Random prompts of prompt-len/2..prompt-len tokens, left padded; no stop ids, so every row decodes
 new-tokens; T=0. A call is timed whole (prefill, graph capture, decode; what data_gen waits for),
 warm-up excluded, median of --repeats; decode ms/step leaves out a prefill timed alone. The bound:
 a decode step reads every weight once and each row's K/V up to its length, at --bandwidth GB/s
