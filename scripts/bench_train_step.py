@@ -20,7 +20,12 @@ is handed target logits instead). MFU against --peak-tflops (784: bf16 matmul me
 --parity first checks, on the GPU in fp32, that the fast path (flex attention, compiled step, fused
 head loss) gives the plain reference path's loss, per-step sums and every gradient, also with its two
 samples packed as one row of two documents (`fast_packed`, train.pack_length). CPU tests cannot: flex
-attention has no CPU backward. SpecForge's harness (if given) runs first, as a subprocess.
+attention has no CPU backward. The flash path (FlashAttention-2 + log-sum-exp merge) has no fp32 kernel on
+CUDA, so a second record compares it and flex with the dense path, all three under bf16 autocast
+(its math is held to the dense path at 1e-5 in fp32 by tests/test_ttt_fast_paths.py, on PyTorch's CPU
+flash kernel). SpecForge's harness (if given) runs first, as a subprocess. Each length starts from a
+fresh torch.compile cache (torch._dynamo.reset), so its graphs are static-shape, as a run of packed rows
+of one length is.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
     from accelerate import Accelerator
 
     rec = {"impl": "eagle3", "variant": variant, "seq_len": t, "batch": args.batch, "ttt": args.ttt}
+    torch._dynamo.reset()  # static-shape graphs for this length
     d = build(s, device)
     frozen_to_matmul_dtype(d, "bf16" if device.type == "cuda" else "no")
     accelerator = Accelerator(mixed_precision="bf16" if device.type == "cuda" else "no", cpu=device.type != "cuda")
@@ -141,11 +147,14 @@ def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
         return time.perf_counter() - t0
 
     rec["warmup_s"] = [round(timed(), 2) for _ in range(args.warmup)]
-    if args.profile == t and device.type == "cuda":  # where the step's GPU time goes, by kernel
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    if t in args.profile and device.type == "cuda":  # where the step's GPU time goes, by kernel
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
             timed()
         print(f"profile of one {variant} step at T={t}:")
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+        if args.trace_dir:  # chrome://tracing or ui.perfetto.dev: the launch gaps between kernels
+            prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{variant}_{t}.json"))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = [timed() for _ in range(args.iters)]
@@ -177,17 +186,27 @@ def parity(args, device) -> dict:
     packed = (p, teacher_targets(p["final"], p["loss_mask"], head, d.t2d, p["argmax"], p["doc_ids"]),
               {"doc_ids": p["doc_ids"], "positions": p["positions"]})
     fast = {"attention": "flex", "loss_chunk": 128, "compile": "yes"}
+    reference = {"attention": "dense", "loss_chunk": 0, "compile": "no"}
+    recs = [compare(d, device, {"reference": (reference, padded), "fast": (fast, padded),
+                                "fast_ckpt": ({**fast, "activation_checkpointing": True}, padded),
+                                "fast_packed": (fast, packed)}, "parity")]
+    torch.backends.cuda.matmul.allow_tf32 = True
+    with torch.autocast("cuda", torch.bfloat16):  # FlashAttention-2 has no fp32 kernel: all three in bf16
+        recs.append(compare(d, device, {"reference": (reference, padded), "fast": (fast, padded),
+                                        "fast_flash": ({**fast, "attention": "flash"}, padded)}, "parity_bf16"))
+    return recs
+
+
+def compare(d: Eagle3Drafter, device, paths: dict, kind: str) -> dict:
+    """paths: name -> (step options, (batch, teacher, packed-row args)); the first is the reference."""
     out = {}
-    for name, o, (y, teacher, docs) in (("reference", {"attention": "dense", "loss_chunk": 0, "compile": "no"}, padded),
-                                        ("fast", fast, padded),
-                                        ("fast_ckpt", {**fast, "activation_checkpointing": True}, padded),
-                                        ("fast_packed", fast, packed)):
+    for name, (o, (y, teacher, docs)) in paths.items():
         d.zero_grad(set_to_none=True)
         loss, sums = objective_for(d, device, 4, o)(y["aux"], y["input_ids"], y["loss_mask"], teacher, **docs)
         loss.backward()
         out[name] = (loss.detach(), sums, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None})
-    ref_loss, ref_sums, ref_grads = out.pop("reference")
-    rec = {"kind": "parity", "count": ref_sums["count"].tolist()}
+    ref_loss, ref_sums, ref_grads = out.pop(next(iter(paths)))
+    rec = {"kind": kind, "count": ref_sums["count"].tolist()}
     for name, (loss, sums, grads) in out.items():
         rec[name] = {
             "loss_rel": abs(float(loss - ref_loss)) / abs(float(ref_loss)),
@@ -195,7 +214,6 @@ def parity(args, device) -> dict:
             "correct_equal": bool(torch.equal(sums["correct"], ref_sums["correct"])),
             "grad_rel_max": max(float((grads[n] - g).norm() / g.norm()) for n, g in ref_grads.items()),
             "same_params": sorted(grads) == sorted(ref_grads)}
-    torch.backends.cuda.matmul.allow_tf32 = True
     return rec
 
 
@@ -204,7 +222,7 @@ def main() -> None:
     ap.add_argument("--seqlens", default="2048,4096,8192,16384")
     ap.add_argument("--variants", default="fast,fast_ckpt",
                     help="fast (flex + compile + fused loss: the GPU defaults) | fast_ckpt (+ activation "
-                         "checkpointing) | fast_docs (fast on rows of packed documents, train.pack_length; MFU counts "
+                         "checkpointing) | fast_flash (FlashAttention-2 + log-sum-exp merge) | fast_docs (fast on rows of packed documents, train.pack_length; MFU counts "
                          "the attention they need) | eager (flex + fused loss, no compile) | dense (the CPU path)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ttt", type=int, default=7)
@@ -212,7 +230,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--peak-tflops", type=float, default=784.0)
     ap.add_argument("--parity", action="store_true")
-    ap.add_argument("--profile", type=int, default=0, help="print the kernel time table of one step at this length")
+    ap.add_argument("--profile", default="", help="lengths (comma list) at which to print the kernel time table of one step")
+    ap.add_argument("--trace-dir", default=None, help="with --profile: also write each profiled step's chrome trace here")
     ap.add_argument("--specforge-wheel", default=None)
     ap.add_argument("--specforge-harness", default=".carry/specforge_step.py")
     ap.add_argument("--out", default=None, help="append one JSON line per record")
@@ -221,7 +240,9 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     s = SMOKE if args.smoke else SHAPE
     seqlens = [int(x) for x in args.seqlens.split(",")]
+    args.profile = [int(x) for x in args.profile.split(",") if x]
     variants = {"fast": {}, "fast_ckpt": {"activation_checkpointing": True}, "fast_docs": {},
+                "fast_flash": {"attention": "flash"},
                 "eager": {"compile": "no"}, "dense": {"attention": "dense", "compile": "no"}}
     if args.smoke:
         seqlens, args.warmup, args.iters = [64], 1, 2
@@ -244,7 +265,8 @@ def main() -> None:
         for line in sf_out.read_text().splitlines() if sf_out.exists() else []:
             emit({"impl": "specforge", **json.loads(line)})
     if args.parity and device.type == "cuda":
-        emit(parity(args, device))
+        for rec in parity(args, device):
+            emit(rec)
     for t in seqlens:
         for name in args.variants.split(",") if not args.smoke else variants:
             try:

@@ -1,5 +1,5 @@
 """The fast TTT paths compute the plain reference's function (issue 13): flex attention with the TTT
-block mask against the dense [T,T] attention, the fused chunked head loss against plain autograd, and
+block mask and the flash kernel + log-sum-exp merge against the dense [T,T] attention, the fused chunked head loss against plain autograd, and
 activation checkpointing, at 1e-5 in fp32 on random inputs with partial loss masks.
 Flex attention has no backward on CPU, so its gradients are checked on the GPU (scripts/bench_train_step.py)."""
 
@@ -9,7 +9,13 @@ import torch
 from core.drafter import DrafterConfig, Eagle3Drafter
 from train import ttt_attention
 from train.draft_head_loss import draft_head_loss
-from train.ttt_attention import dense_ttt_attention, flex_ttt_attention, padded_length, ttt_block_mask
+from train.ttt_attention import (
+    dense_ttt_attention,
+    flex_ttt_attention,
+    merged_ttt_attention,
+    padded_length,
+    ttt_block_mask,
+)
 from train.ttt_loss import TTTObjective, ttt_loss
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -52,6 +58,23 @@ def test_flex_block_mask_attention_equals_dense(t):
         torch.testing.assert_close(flex[:, :, :t], dense, **TOL)
 
 
+def test_flash_kernel_merged_with_the_diagonal_equals_dense_with_gradients():
+    """Outputs and the gradients of q and every step's keys and values (GQA, steps 1-4, a length off any
+    block size): the kernel's backward, handed the merged output and log-sum-exp, plus the diagonal terms."""
+    g = torch.Generator().manual_seed(7)
+    for steps in range(1, 5):
+        q = torch.randn(2, 4, 37, 16, generator=g, requires_grad=True)
+        keys = [torch.randn(2, 2, 37, 16, generator=g, requires_grad=True) for _ in range(steps)]
+        values = [torch.randn(2, 2, 37, 16, generator=g, requires_grad=True) for _ in range(steps)]
+        weight = torch.randn(2, 4, 37, 16, generator=g)  # a loss that weighs every output element differently
+        results = []
+        for attend in (dense_ttt_attention, merged_ttt_attention):
+            out = attend(q, keys, values)
+            results.append((out, *torch.autograd.grad((out * weight).sum(), [q, *keys, *values])))
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(b, a, **TOL)
+
+
 def test_block_mask_visits_causal_blocks_and_one_diagonal_block_per_later_step():
     bm = ttt_block_mask(3 * 128, 3, torch.device("cpu"))
     dense = bm.to_dense()[0, 0]  # [query blocks, key blocks]: 1 where the kernel reads the block
@@ -86,7 +109,8 @@ def test_fused_head_loss_equals_plain_autograd():
 
 
 @pytest.mark.parametrize("options", [{"loss_chunk": 7}, {"loss_chunk": 7, "checkpoint": True},
-                                     {"loss_chunk": 0, "checkpoint": True}])
+                                     {"loss_chunk": 0, "checkpoint": True}, {"attention": "flash", "loss_chunk": 7},
+                                     {"attention": "flash", "checkpoint": True}])
 def test_ttt_loss_options_give_the_reference_loss_and_gradients(options):
     d = drafter()
     aux, ids, mask, teacher = inputs(2, 40, d)
@@ -123,3 +147,19 @@ def test_ttt_loss_with_flex_attention_equals_dense(monkeypatch):
     for key in dense[1]:
         torch.testing.assert_close(flex[1][key], dense[1][key], **TOL)
     assert dense[1]["count"].min() > 10
+
+
+def test_step_options_name_the_setting_that_cannot_run():
+    """Settings that cannot run stop before any training with the setting's name."""
+    from core.config import TrainConfig
+    from core.errors import UserError
+    from train.loop import step_options
+
+    cpu = torch.device("cpu")
+    assert step_options(TrainConfig(attention="flash"), cpu)["attention"] == "flash"  # the CPU flash kernel runs
+    with pytest.raises(UserError, match="train.attention = flash takes one document per row"):
+        step_options(TrainConfig(attention="flash", pack_length=4096), cpu)
+    with pytest.raises(UserError, match="train.attention = flex needs a CUDA device"):
+        step_options(TrainConfig(attention="flex"), cpu)
+    with pytest.raises(UserError, match="must be one of auto | dense | flex | flash"):
+        step_options(TrainConfig(attention="flesh"), cpu)

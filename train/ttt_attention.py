@@ -1,13 +1,18 @@
 """Attention of one TTT step: causal over step 0's keys plus the same-position keys of steps 1..k; in
 packed rows (train/packing.py) step 0's keys only of the query's own document.
 
-Two implementations of one function (train/ttt_loss.py's docstring gives the alignment):
+Three implementations of one function (train/ttt_loss.py's docstring gives the alignment):
 - `dense_ttt_attention`: [T,T] scores with an fp32 softmax. Plain and exact; the CPU path, and the
   reference the tests hold the other to.
 - `flex_ttt_attention`: PyTorch's flex attention over the concatenated keys of steps 0..k, with a block
   mask that visits only the causal blocks of step 0 and one diagonal block per later step. No [T,T]
   matrix exists, so memory is linear in T; the kernel is compiled (CUDA). Sequences are padded to
   whole blocks (`padded_length`): each step's keys then start on a block boundary.
+- `merged_ttt_attention`: a causal FlashAttention kernel over step 0's keys (its log-sum-exp kept) and
+  the k diagonal terms, one score per row each, merged by log-sum-exp. The backward hands the kernel the
+  merged output and log-sum-exp, so its P = exp(S - lse) are already the joint softmax's and no gradient
+  through the kernel's own log-sum-exp is needed. Kernels: FlashAttention-2 on CUDA (bf16/fp16), PyTorch's
+  CPU flash kernel on CPU (any float: the tests' path). One document per row (no packing).
 """
 
 from __future__ import annotations
@@ -102,3 +107,84 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     v = values[0] if len(values) == 1 else torch.cat(values, 2)
     flex = _compiled_flex() if compiled else flex_attention
     return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _causal_kernel(device_type: str):
+    """-> (forward(q, k, v, scale) -> (out, lse [B,nh,T] fp32, state), backward(dout, q, k, v, out, lse, state,
+    scale) -> (dq, dk, dv)): a causal flash kernel whose backward takes any (out, lse) pair."""
+    aten = torch.ops.aten
+    if device_type == "cpu":
+        def forward(q, k, v, scale):
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+            return out, lse, ()
+
+        def backward(dout, q, k, v, out, lse, state, scale):
+            return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, True,
+                                                                             scale=scale)
+        return forward, backward
+
+    def forward(q, k, v, scale):  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug)
+        r = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        return r[0], r[1], r[2:8]
+
+    def backward(dout, q, k, v, out, lse, state, scale):
+        cum_q, cum_k, max_q, max_k, rng_state, unused = state
+        return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
+                                                                 0.0, True, rng_state, unused, scale=scale)
+    return forward, backward
+
+
+def _expand(x: torch.Tensor, rep: int) -> torch.Tensor:
+    return x if rep == 1 else x.repeat_interleave(rep, 1)
+
+
+def _fold(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """Gradient of `_expand`: [B,nkv*rep,T,d] -> [B,nkv,T,d]."""
+    b, n, t, d = x.shape
+    return x if rep == 1 else x.view(b, n // rep, rep, t, d).sum(2)
+
+
+class _MergedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, *kv):
+        """q [B,nh,T,d]; kv = k_0..k_s, v_0..v_s (each [B,nkv,T,d]) -> [B,nh,T,d]."""
+        n = len(kv) // 2
+        keys, values = kv[:n], kv[n:]
+        rep, scale = q.shape[1] // keys[0].shape[1], q.shape[-1] ** -0.5
+        fwd, _ = _causal_kernel(q.device.type)
+        out0, lse0, state = fwd(q, _expand(keys[0], rep), _expand(values[0], rep), scale)
+        scores = [(q.float() * _expand(k, rep).float()).sum(-1) * scale for k in keys[1:]]  # [B,nh,T] each
+        lse = torch.logsumexp(torch.stack([lse0, *scores]), 0)
+        out = out0.float() * (lse0 - lse).exp()[..., None]
+        for s, v in zip(scores, values[1:], strict=True):
+            out = out + (s - lse).exp()[..., None] * _expand(v, rep).float()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, out, lse, *kv)
+        ctx.state, ctx.rep, ctx.scale = state, rep, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse, *kv = ctx.saved_tensors
+        n = len(kv) // 2
+        keys, values = kv[:n], kv[n:]
+        rep, scale = ctx.rep, ctx.scale
+        _, bwd = _causal_kernel(q.device.type)
+        dout = dout.contiguous()
+        dq, dk0, dv0 = bwd(dout, q, _expand(keys[0], rep), _expand(values[0], rep), out, lse, ctx.state, scale)
+        dq, dkeys, dvalues = dq.float(), [_fold(dk0, rep)], [_fold(dv0, rep)]
+        do, delta = dout.float(), (dout.float() * out.float()).sum(-1)  # delta: the softmax backward's row term
+        for k, v in zip(keys[1:], values[1:], strict=True):
+            ke, ve = _expand(k, rep).float(), _expand(v, rep).float()
+            p = ((q.float() * ke).sum(-1) * scale - lse).exp()  # [B,nh,T]: this diagonal key's weight
+            ds = p * ((do * ve).sum(-1) - delta)
+            dq = dq + ds[..., None] * ke * scale
+            dkeys.append(_fold(ds[..., None] * q.float() * scale, rep).to(k.dtype))
+            dvalues.append(_fold(p[..., None] * do, rep).to(v.dtype))
+        return dq.to(q.dtype), *dkeys, *dvalues
+
+
+@torch.compiler.disable  # its own kernels and autograd.Function: a compiled step calls it as is
+def merged_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """`dense_ttt_attention` without doc_ids, any T, through a causal flash kernel plus the diagonal terms."""
+    return _MergedAttention.apply(q, *keys, *values)

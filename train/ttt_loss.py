@@ -22,7 +22,13 @@ import torch.nn.functional as F
 from core.drafter import Eagle3Drafter
 from core.hidden_shards import teacher_positions
 from train.draft_head_loss import draft_head_loss
-from train.ttt_attention import dense_ttt_attention, flex_ttt_attention, padded_length, ttt_block_mask
+from train.ttt_attention import (
+    dense_ttt_attention,
+    flex_ttt_attention,
+    merged_ttt_attention,
+    padded_length,
+    ttt_block_mask,
+)
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -66,15 +72,17 @@ def pad_to(x: torch.Tensor, t: int) -> torch.Tensor:
     return x if x.shape[1] == t else torch.cat([x, x.new_zeros(x.shape[0], t - x.shape[1], *x.shape[2:])], 1)
 
 
-def ttt_step(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, block_mask, doc_ids):
+def ttt_step(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, attention, block_mask, doc_ids):
     """One unrolled step: -> (h2 [B,T,H], this step's k, v). keys/values: the earlier steps'. Dense
-    attention reads doc_ids; flex reads them from its block mask."""
+    attention reads doc_ids; flex reads them from its block mask; flash takes no packed rows."""
     q, k, v, residual = drafter.qkv(hidden, tokens, positions)
     keys, values = [*keys, k], [*values, v]
-    if block_mask is None:
-        attn = dense_ttt_attention(q, keys, values, doc_ids)
-    else:
+    if attention == "flex":
         attn = flex_ttt_attention(q, keys, values, block_mask)
+    elif attention == "flash":
+        attn = merged_ttt_attention(q, keys, values)
+    else:
+        attn = dense_ttt_attention(q, keys, values, doc_ids)
     return drafter.finish(attn, residual), k, v
 
 
@@ -98,7 +106,7 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
              doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None):
     """-> (weighted loss, per-step sums {"loss_sum", "correct", "count"}: [K] tensors, detached, not
     synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`).
-    attention: "dense" | "flex" (train/ttt_attention.py); loss_chunk: rows per chunk of the fused head
+    attention: "dense" | "flex" | "flash" (train/ttt_attention.py); loss_chunk: rows per chunk of the fused head
     loss (0: plain autograd; train/draft_head_loss.py); checkpoint: recompute each step's layer in the
     backward instead of keeping its activations; compile: the step's layer and the head loss's elementwise
     terms through torch.compile (fuses norms, RoPE, SiLU, softmaxes). doc_ids, positions [B,T]: packed rows
@@ -113,6 +121,8 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
     else:
         positions = pad_to(positions, tp)
     if doc_ids is not None:
+        if attention == "flash":
+            raise ValueError("flash TTT attention takes one document per row, not packed rows")
         doc_ids = F.pad(doc_ids, (0, tp - t), value=-1)  # flex's block padding: one more run of padding
     masks = [counted(loss_mask, in_vocab, doc_ids, k) for k in range(steps)]  # [B,T]
     where = [m.nonzero(as_tuple=True) for m in masks]
@@ -120,8 +130,8 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
     for k in range(steps):
         block_mask = ttt_block_mask(tp, k + 1, aux.device, doc_ids) if attention == "flex" else None
         # tuples: a checkpoint's recompute must see the keys as they were, not the grown list
-        args = (drafter, hidden, shift_left(input_ids, k + 1), positions + k, tuple(keys), tuple(values), block_mask,
-                doc_ids)
+        args = (drafter, hidden, shift_left(input_ids, k + 1), positions + k, tuple(keys), tuple(values), attention,
+                block_mask, doc_ids)
         if checkpoint:
             hidden, kk, vv = torch.utils.checkpoint.checkpoint(step_fn, *args, use_reentrant=False)
         else:
