@@ -135,6 +135,7 @@ def _causal_kernel(device_type: str):
 
 
 def _expand(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """[B,nkv,T,d] -> [B,nkv*rep,T,d]: the kernel's key/value heads, one per query head."""
     return x if rep == 1 else x.repeat_interleave(rep, 1)
 
 
@@ -142,6 +143,49 @@ def _fold(x: torch.Tensor, rep: int) -> torch.Tensor:
     """Gradient of `_expand`: [B,nkv*rep,T,d] -> [B,nkv,T,d]."""
     b, n, t, d = x.shape
     return x if rep == 1 else x.view(b, n // rep, rep, t, d).sum(2)
+
+
+def _grouped(x: torch.Tensor, nkv: int) -> torch.Tensor:
+    """[B,nh,T,...] -> [B,nkv,rep,T,...]: query heads grouped by the key head they share (GQA), no copy."""
+    return x.unflatten(1, (nkv, x.shape[1] // nkv))
+
+
+def merge_diagonal(q, out0, lse0, keys, values):
+    """The causal kernel's (out0 [B,nh,T,d], lse0 [B,nh,T]) and the diagonal keys/values (tuples of
+    [B,nkv,T,d]) under one softmax -> (out in q's dtype, lse [B,nh,T] fp32)."""
+    nkv, scale = keys[0].shape[1] if keys else 1, q.shape[-1] ** -0.5
+    qg = _grouped(q.float(), nkv)
+    scores = [(qg * k.float()[:, :, None]).sum(-1).flatten(1, 2) * scale for k in keys]  # [B,nh,T] each
+    lse = torch.logsumexp(torch.stack([lse0.float(), *scores]), 0)
+    out = out0.float() * (lse0 - lse).exp()[..., None]
+    for s, v in zip(scores, values, strict=True):
+        out = out + _grouped((s - lse).exp()[..., None], nkv).mul(v.float()[:, :, None]).flatten(1, 2)
+    return out.to(q.dtype), lse
+
+
+def diagonal_grads(q, out, lse, dout, keys, values):
+    """Backward of the diagonal terms: -> (their share of dq [B,nh,T,d] fp32, dk and dv of each diagonal
+    key/value). delta = rowsum(dout * out) is the softmax backward's row term, as in the kernel's."""
+    nkv, scale = keys[0].shape[1], q.shape[-1] ** -0.5
+    qg, dog = _grouped(q.float(), nkv), _grouped(dout.float(), nkv)
+    delta = _grouped((dout.float() * out.float()).sum(-1), nkv)  # [B,nkv,rep,T]
+    lseg = _grouped(lse, nkv)
+    dq, dkeys, dvalues = torch.zeros_like(qg), [], []
+    for k, v in zip(keys, values, strict=True):
+        kg, vg = k.float()[:, :, None], v.float()[:, :, None]  # [B,nkv,1,T,d]
+        p = ((qg * kg).sum(-1) * scale - lseg).exp()  # [B,nkv,rep,T]: this diagonal key's weight
+        ds = p * ((dog * vg).sum(-1) - delta)
+        dq = dq + ds[..., None] * kg * scale
+        dkeys.append((ds[..., None] * qg * scale).sum(2).to(k.dtype))
+        dvalues.append((p[..., None] * dog).sum(2).to(v.dtype))
+    return dq.flatten(1, 2), dkeys, dvalues
+
+
+@functools.cache
+def _fused(fn):
+    """fn through torch.compile on CUDA (one pass over each tensor instead of one per op); as is on CPU."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one graph per step k
+    return torch.compile(fn, dynamic=False)
 
 
 class _MergedAttention(torch.autograd.Function):
@@ -153,12 +197,8 @@ class _MergedAttention(torch.autograd.Function):
         rep, scale = q.shape[1] // keys[0].shape[1], q.shape[-1] ** -0.5
         fwd, _ = _causal_kernel(q.device.type)
         out0, lse0, state = fwd(q, _expand(keys[0], rep), _expand(values[0], rep), scale)
-        scores = [(q.float() * _expand(k, rep).float()).sum(-1) * scale for k in keys[1:]]  # [B,nh,T] each
-        lse = torch.logsumexp(torch.stack([lse0, *scores]), 0)
-        out = out0.float() * (lse0 - lse).exp()[..., None]
-        for s, v in zip(scores, values[1:], strict=True):
-            out = out + (s - lse).exp()[..., None] * _expand(v, rep).float()
-        out = out.to(q.dtype)
+        merge = _fused(merge_diagonal) if q.is_cuda else merge_diagonal
+        out, lse = merge(q, out0, lse0, tuple(keys[1:]), tuple(values[1:]))
         ctx.save_for_backward(q, out, lse, *kv)
         ctx.state, ctx.rep, ctx.scale = state, rep, scale
         return out
@@ -172,16 +212,12 @@ class _MergedAttention(torch.autograd.Function):
         _, bwd = _causal_kernel(q.device.type)
         dout = dout.contiguous()
         dq, dk0, dv0 = bwd(dout, q, _expand(keys[0], rep), _expand(values[0], rep), out, lse, ctx.state, scale)
-        dq, dkeys, dvalues = dq.float(), [_fold(dk0, rep)], [_fold(dv0, rep)]
-        do, delta = dout.float(), (dout.float() * out.float()).sum(-1)  # delta: the softmax backward's row term
-        for k, v in zip(keys[1:], values[1:], strict=True):
-            ke, ve = _expand(k, rep).float(), _expand(v, rep).float()
-            p = ((q.float() * ke).sum(-1) * scale - lse).exp()  # [B,nh,T]: this diagonal key's weight
-            ds = p * ((do * ve).sum(-1) - delta)
-            dq = dq + ds[..., None] * ke * scale
-            dkeys.append(_fold(ds[..., None] * q.float() * scale, rep).to(k.dtype))
-            dvalues.append(_fold(p[..., None] * do, rep).to(v.dtype))
-        return dq.to(q.dtype), *dkeys, *dvalues
+        dkeys, dvalues = [_fold(dk0, rep)], [_fold(dv0, rep)]
+        if n > 1:
+            grads = _fused(diagonal_grads) if q.is_cuda else diagonal_grads
+            dq_diag, dk, dv = grads(q, out, lse, dout, tuple(keys[1:]), tuple(values[1:]))
+            dq, dkeys, dvalues = (dq.float() + dq_diag).to(q.dtype), dkeys + list(dk), dvalues + list(dv)
+        return dq, *dkeys, *dvalues
 
 
 @torch.compiler.disable  # its own kernels and autograd.Function: a compiled step calls it as is

@@ -93,6 +93,11 @@ def _compiled_ttt_step():
     return torch.compile(ttt_step)
 
 
+@functools.lru_cache(maxsize=64)
+def _block_mask(t: int, steps: int, device: torch.device):
+    return ttt_block_mask(t, steps, device)
+
+
 def counted(loss_mask: torch.Tensor, in_vocab: torch.Tensor, doc_ids: torch.Tensor | None, k: int) -> torch.Tensor:
     """[B,T] -> bool [B,T]: the rows step k learns from: x[t+k+2] is trained on, the target's argmax at t+k+1
     is in the draft vocab, and (packed rows) t+k+2 is in t's document, so nothing reads the next document."""
@@ -128,7 +133,10 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
     where = [m.nonzero(as_tuple=True) for m in masks]
     hidden, keys, values, xs, rows = aux, [], [], [], []
     for k in range(steps):
-        block_mask = ttt_block_mask(tp, k + 1, aux.device, doc_ids) if attention == "flex" else None
+        block_mask = None
+        if attention == "flex":  # without documents the masks depend on the length only: built once per length
+            block_mask = ttt_block_mask(tp, k + 1, aux.device, doc_ids) if doc_ids is not None else \
+                _block_mask(tp, k + 1, aux.device)
         # tuples: a checkpoint's recompute must see the keys as they were, not the grown list
         args = (drafter, hidden, shift_left(input_ids, k + 1), positions + k, tuple(keys), tuple(values), attention,
                 block_mask, doc_ids)
