@@ -69,7 +69,13 @@ for phase in "$@"; do
   generate)
     bounded data_gen --config $CFG --run-dir $RUN ;;
   generate-for)  # data_gen for GEN_S seconds; what it committed by then is the training data; GEN_ARGS: overrides
-    PHASE_S=${GEN_S:-330} CUT_OK=1 bounded data_gen --config $CFG --run-dir $RUN ${GEN_ARGS:-} ;;
+    # unset GEN_ARGS: the fused decode step if bench-first measured it >= 10% faster than graphs at batch 256
+    args=${GEN_ARGS-$("$PY" -c "import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))['rows'] if r['batch'] == 256 and 'tok_s' in r]
+rate = {r['path']: r['tok_s'] for r in rows}
+print('data_gen.compile=fused' if rate.get('fused', 0) > 1.1 * rate.get('graphs', 0) else '')" $S/logs/bench_generate_1024.json 2>/dev/null || true)}
+    echo "== data_gen overrides: ${args:-(none)}"
+    PHASE_S=${GEN_S:-330} CUT_OK=1 bounded data_gen --config $CFG --run-dir $RUN $args ;;
   train)
     bounded train --config $CFG --run-dir $RUN ${EPOCHS:+train.epochs=$EPOCHS} ;;
   train-for)  # as many epochs as fit TRAIN_S at TRAIN_TOK_S (the target's forward included); TRAIN_ARGS: more overrides
