@@ -10,6 +10,7 @@ with pip (the sdist only, nothing built) and unpacked into <cache>/llama.cpp-b11
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -89,26 +90,40 @@ def convert_drafter(tree: Path, drafter_dir: Path, target_dir: Path, out: Path, 
     return gguf
 
 
+def _eagle3_fields(path: Path) -> tuple[list[int] | None, bool, bool]:
+    """-> (eagle3.target_layers or None, eagle3.norm_before_fc, whether enc.output_norm.weight is there),
+    read once per file version: gguf-py's GGUFReader parses every key, the target's 49k tokens and 49k
+    merges included (5.5 s the stock reader, 1.7 s core.gguf_checkpoint's plain-array one), and
+    convert_drafter, eval's log line and the tests all ask about the same file."""
+    st = Path(path).stat()
+    return _read_eagle3_fields(str(Path(path).resolve()), st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_eagle3_fields(path: str, _ino: int, _mtime_ns: int, _size: int) -> tuple[list[int] | None, bool, bool]:
+    from core.gguf_checkpoint import _PlainArrayReader
+
+    reader = _PlainArrayReader(path)
+    field = reader.get_field("eagle3.target_layers")
+    layers = None if field is None else [int(field.parts[i][0]) for i in field.data]
+    field = reader.get_field("eagle3.norm_before_fc")
+    flag = bool(field.parts[field.data[0]][0]) if field is not None else False
+    return layers, flag, any(t.name == "enc.output_norm.weight" for t in reader.tensors)
+
+
 def gguf_target_layers(path: Path) -> list[int]:
     """The aux layers a converted drafter makes llama.cpp read (`eagle3.target_layers`), via gguf-py."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(path)).get_field("eagle3.target_layers")
-    if field is None:
+    layers, _, _ = _eagle3_fields(path)
+    if layers is None:
         raise UserError(f"{path}: no eagle3.target_layers key (not an EAGLE-3 drafter GGUF)")
-    return [int(field.parts[i][0]) for i in field.data]
+    return list(layers)
 
 
 def gguf_norm_before_fc(path: Path) -> bool:
     """Whether llama.cpp applies the EAGLE-3.1 input norm (`eagle3.norm_before_fc`, weight
     `enc.output_norm.weight`) to the aux before fc. A flag without its tensor (or the reverse) is refused:
     llama-server would fail to load it, or load it and drop the norm."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    field = reader.get_field("eagle3.norm_before_fc")
-    flag = bool(field.parts[field.data[0]][0]) if field is not None else False
-    tensor = any(t.name == "enc.output_norm.weight" for t in reader.tensors)
+    _, flag, tensor = _eagle3_fields(path)
     if flag != tensor:
         raise UserError(f"{path}: eagle3.norm_before_fc = {flag} but enc.output_norm.weight is "
                         f"{'present' if tensor else 'absent'}: the drafter's config.json and weights disagree")

@@ -63,14 +63,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_threads(threads: int | None = None) -> int:
+    """llama-server's compute threads (-t): `threads`, else $OMP_NUM_THREADS (the per-process thread count
+    core.cli.set_threads gives torch; `make test` sets 1), else 2. ggml's threads spin at their barriers, so
+    a second one on a core that another process holds loses whole time slices per op (measured: the data_gen
+    llama.cpp test 46 s with -t 2, 22 s with -t 1, one of the 2 cores busy elsewhere)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return threads or (int(env) if env.isdigit() and int(env) > 0 else 2)
+
+
 class LlamaServer:
     """`with LlamaServer(binary, target_gguf, draft_gguf=..., k=5) as url:` a llama-server on a free
     loopback port, ready (/health 200) on entry, stopped on exit. draft_gguf=None: the base server.
-    `parallel` slots of `ctx` tokens each; chat requests use the GGUF's own template (--jinja)."""
+    `parallel` slots of `ctx` tokens each; chat requests use the GGUF's own template (--jinja);
+    `threads` compute threads (server_threads: None = $OMP_NUM_THREADS, else 2)."""
 
     def __init__(self, binary: Path, target_gguf: Path, draft_gguf: Path | None = None, k: int = 5,
-                 threads: int = 2, parallel: int = 1, ctx: int = 4096, timeout: float = 120.0):
+                 threads: int | None = None, parallel: int = 1, ctx: int = 4096, timeout: float = 120.0):
         self.port, self.timeout = _free_port(), timeout
+        threads = server_threads(threads)
         self.cmd = [str(binary), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(self.port), "--jinja",
                     "--metrics", "-np", str(parallel), "-c", str(ctx * parallel), "-t", str(threads)]
         if draft_gguf is not None:

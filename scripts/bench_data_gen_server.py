@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from core.config import load_config  # noqa: E402
 from data_gen.generate import main as data_gen_main  # noqa: E402
+from eval.llamacpp_server import server_threads  # noqa: E402
 from scripts.llamacpp_server import llamacpp_server  # noqa: E402
 
 
@@ -62,7 +63,8 @@ def main() -> None:
     with server as url, tempfile.TemporaryDirectory() as tmp:
         results = {c: run_once(url, c, args.samples, args.max_new_tokens, Path(tmp) / f"c{c}") for c in levels}
     base = results[levels[0]]
-    print(f"server {args.base_url or 'llama-server b11434 (SmolLM2-135M Q4_1 GGUF, 2 threads, one slot per request in flight)'}; "
+    local = f"llama-server b11434 (SmolLM2-135M Q4_1 GGUF, {server_threads()} threads, one slot per request in flight)"
+    print(f"server {args.base_url or local}; "
           f"{args.samples} ShareGPT prompts x <= {args.max_new_tokens} new tokens per level")
     for c, r in results.items():
         print(f"concurrency {c:>3}: {r['requests_per_s']:6.2f} req/s  {r['tokens_per_s']:7.1f} tok/s  "

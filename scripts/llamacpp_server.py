@@ -24,8 +24,9 @@ from eval.llamacpp_server import LlamaServer, server_binary  # noqa: E402
 
 
 @contextlib.contextmanager
-def llamacpp_server(gguf: Path | None = None, n_ctx: int = 4096, threads: int = 2, parallel: int = 4):
-    """A llama-server on a free loopback port with `parallel` slots; yields its /v1 base URL."""
+def llamacpp_server(gguf: Path | None = None, n_ctx: int = 4096, threads: int | None = None, parallel: int = 4):
+    """A llama-server on a free loopback port with `parallel` slots and `threads` compute threads
+    (None: $OMP_NUM_THREADS, else 2; eval.llamacpp_server.server_threads); yields its /v1 base URL."""
     binary = server_binary(cache_root(load_config(None)))
     with LlamaServer(binary, gguf or embedded_gguf_path(), threads=threads, parallel=parallel, ctx=n_ctx) as url:
         yield f"{url}/v1"

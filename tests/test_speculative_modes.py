@@ -36,6 +36,14 @@ def engine(overfit_tiny):
     return model, drafter, trained, heldout, end_of_turn_ids(tok, model.generation_config)
 
 
+@pytest.fixture(scope="module")
+def greedy_outputs(engine):
+    """The target's greedy answer (20 tokens) to every prompt of `engine`, computed once for all the tree
+    shapes below: plain greedy decoding does not depend on the tree, and it is deterministic."""
+    model, _, trained, heldout, stop = engine
+    return [generate(model, [p], 20, stop)[0] for p in trained + heldout]
+
+
 def test_a_tree_cannot_promise_more_nodes_than_it_grows():
     assert TreeSpec(3, 2, 10).total == 10  # 2 + 4 + 4 nodes
     with pytest.raises(ValueError, match="at most 10 nodes"):
@@ -43,15 +51,14 @@ def test_a_tree_cannot_promise_more_nodes_than_it_grows():
 
 
 @pytest.mark.parametrize("spec", [TreeSpec(3, 2, 6), TreeSpec(4, 3, 8), TreeSpec(2, 4, 4)])
-def test_tree_at_t0_writes_the_greedy_output(engine, spec, monkeypatch):
+def test_tree_at_t0_writes_the_greedy_output(engine, greedy_outputs, spec, monkeypatch):
     model, drafter, trained, heldout, stop = engine
     moved = []
     compact = decode._compact
     monkeypatch.setattr(decode, "_compact", lambda c, slots, start: (moved.append(slots != list(
         range(start, start + len(slots)))), compact(c, slots, start)))
     lengths = []
-    for i, p in enumerate(trained + heldout):
-        greedy = generate(model, [p], 20, stop)[0]
+    for i, (p, greedy) in enumerate(zip(trained + heldout, greedy_outputs, strict=True)):
         out = speculative_generate(model, drafter, p, 20, stop, draft_steps=3, tree=spec)
         assert out.tokens == greedy.tokens and out.finish_reason == greedy.finish_reason
         assert 1 + sum(out.accept_lengths) == len(out.tokens) and max(out.accept_lengths) <= spec.depth + 1
