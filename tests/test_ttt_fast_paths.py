@@ -159,6 +159,8 @@ def test_step_options_name_the_setting_that_cannot_run():
     assert step_options(TrainConfig(attention="flash"), cpu)["attention"] == "flash"  # the CPU flash kernel runs
     with pytest.raises(UserError, match="train.attention = flash takes one document per row"):
         step_options(TrainConfig(attention="flash", pack_length=4096), cpu)
+    with pytest.raises(UserError, match="flash is not yet cleared on CUDA"):
+        step_options(TrainConfig(attention="flash"), torch.device("cuda"))  # a check of names: no GPU needed
     with pytest.raises(UserError, match="train.attention = flex needs a CUDA device"):
         step_options(TrainConfig(attention="flex"), cpu)
     with pytest.raises(UserError, match="must be one of auto | dense | flex | flash"):
