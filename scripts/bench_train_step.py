@@ -23,7 +23,7 @@ samples packed as one row of two documents (`fast_packed`, train.pack_length). C
 attention has no CPU backward. The flash path (FlashAttention-2 + log-sum-exp merge) has no fp32 kernel on
 CUDA, so a second record compares it and flex with the dense path, all three under bf16 autocast
 (its math is held to the dense path at 1e-5 in fp32 by tests/test_ttt_fast_paths.py, on PyTorch's CPU
-flash kernel). SpecForge's harness (if given) runs first, one subprocess per length. Each length, ours
+flash kernel), and a third the attention alone in bf16 against an fp32 dense reference. SpecForge's harness (if given) runs first, one subprocess per length. Each length, ours
 and SpecForge's, starts from a fresh torch.compile cache, so its graphs are static-shape, as a run of packed
 rows of one length is (SpecForge's harness alone reuses its first length's graphs as dynamic-shape ones:
 19.9k tok/s at 2048 after 8192 vs 22.4k when 2048 comes first).
@@ -196,7 +196,28 @@ def parity(args, device) -> dict:
     with torch.autocast("cuda", torch.bfloat16):  # FlashAttention-2 has no fp32 kernel: all three in bf16
         recs.append(compare(d, device, {"reference": (reference, padded), "fast": (fast, padded),
                                         "fast_flash": ({**fast, "attention": "flash"}, padded)}, "parity_bf16"))
+    recs.append(flash_attention_alone(device))
     return recs
+
+
+def flash_attention_alone(device) -> dict:
+    """The flash TTT attention by itself in bf16 (GQA 32/8 heads, T=1024, steps 1-4) against the dense path in
+    fp32 on the same bf16 inputs: relative error of the output and of each input's gradient, the worst per step."""
+    from train.ttt_attention import dense_ttt_attention, merged_ttt_attention
+
+    g = torch.Generator(device=device).manual_seed(11)
+    worst = {}
+    for steps in range(1, 5):
+        q = torch.randn(1, 32, 1024, 128, device=device, generator=g).bfloat16().requires_grad_()
+        keys = [torch.randn(1, 8, 1024, 128, device=device, generator=g).bfloat16().requires_grad_() for _ in range(steps)]
+        values = [torch.randn(1, 8, 1024, 128, device=device, generator=g).bfloat16().requires_grad_() for _ in range(steps)]
+        weight = torch.randn(1, 32, 1024, 128, device=device, generator=g)
+        results = []
+        for out in (dense_ttt_attention(q.float(), [k.float() for k in keys], [v.float() for v in values]),
+                    merged_ttt_attention(q, keys, values)):
+            results.append((out.detach(), *torch.autograd.grad((out.float() * weight).sum(), [q, *keys, *values])))
+        worst[steps] = max(float((b.float() - a.float()).norm() / a.float().norm()) for a, b in zip(*results, strict=True))
+    return {"kind": "flash_attention_alone_bf16", "rel_max_by_steps": worst}
 
 
 def compare(d: Eagle3Drafter, device, paths: dict, kind: str) -> dict:
