@@ -111,7 +111,7 @@ def documents(t: int, b: int, device) -> tuple[dict, float]:
 
 def objective_for(d: Eagle3Drafter, device, k_steps: int, overrides: dict) -> TTTObjective:
     flash = overrides.get("attention") == "flash"  # train refuses it on CUDA until --parity clears it: measured here
-    options = step_options(TrainConfig(**{**overrides, "attention": "flex"} if flash else overrides), device)
+    options = step_options(TrainConfig(**{**overrides, "attention": "auto"} if flash else overrides), device)
     return TTTObjective(d, k_steps, 0.8, **{**options, "attention": "flash"} if flash else options)
 
 
