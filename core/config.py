@@ -137,8 +137,9 @@ class TrainConfig:
                              "what the padded batch trains); must be >= train.max_len; 0 = right-padded batches", ge=0)
     loss_chunk: int = _f(8192, "rows per chunk of the fused draft-head loss, which never holds all [T, Vd] logits; "
                                "0 = plain autograd (the reference path)", ge=0)
-    compile: str = _f("auto", "auto | yes | no: torch.compile the TTT step's layer (fuses norms, RoPE, SiLU); "
-                              "auto = on CUDA")
+    compile: str = _f("auto", "auto | yes | no | unroll: torch.compile the TTT step's layer (fuses norms, RoPE, "
+                              "SiLU), one graph per step; unroll = all K steps as one graph (weights cast once, "
+                              "their K gradients summed inside it; not yet measured on a GPU); auto = yes on CUDA")
     tau_every: int = _f(0, "optimizer steps between τ measurements (eval's hf engine on the drafter as exported, "
                            "greedy chain of K = eval.draft_steps, on eval's prompts), also at the last step; "
                            "logged with loss_k / acc_k; 0 = off", ge=0)

@@ -191,7 +191,8 @@ def parity(args, device) -> dict:
     reference = {"attention": "dense", "loss_chunk": 0, "compile": "no"}
     recs = [compare(d, device, {"reference": (reference, padded), "fast": (fast, padded),
                                 "fast_ckpt": ({**fast, "activation_checkpointing": True}, padded),
-                                "fast_packed": (fast, packed)}, "parity")]
+                                "fast_packed": (fast, packed), "fast_unroll": ({**fast, "compile": "unroll"}, padded),
+                                "fast_unroll_packed": ({**fast, "compile": "unroll"}, packed)}, "parity")]
     torch.backends.cuda.matmul.allow_tf32 = True
     with torch.autocast("cuda", torch.bfloat16):  # FlashAttention-2 has no fp32 kernel: all three in bf16
         recs.append(compare(d, device, {"reference": (reference, padded), "fast": (fast, padded),
@@ -245,7 +246,8 @@ def main() -> None:
     ap.add_argument("--seqlens", default="2048,4096,8192,16384")
     ap.add_argument("--variants", default="fast,fast_ckpt",
                     help="fast (flex + compile + fused loss: the GPU defaults) | fast_ckpt (+ activation "
-                         "checkpointing) | fast_flash (FlashAttention-2 + log-sum-exp merge) | fast_docs (fast on rows of packed documents, train.pack_length; MFU counts "
+                         "checkpointing) | fast_flash (FlashAttention-2 + log-sum-exp merge) | fast_unroll (the K steps as one "
+                         "compiled graph) | fast_docs (fast on rows of packed documents, train.pack_length; MFU counts "
                          "the attention they need) | eager (flex + fused loss, no compile) | dense (the CPU path)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ttt", type=int, default=7)
@@ -265,7 +267,7 @@ def main() -> None:
     seqlens = [int(x) for x in args.seqlens.split(",")]
     args.profile = [int(x) for x in args.profile.split(",") if x]
     variants = {"fast": {}, "fast_ckpt": {"activation_checkpointing": True}, "fast_docs": {},
-                "fast_flash": {"attention": "flash"},
+                "fast_flash": {"attention": "flash"}, "fast_unroll": {"compile": "unroll"},
                 "eager": {"compile": "no"}, "dense": {"attention": "dense", "compile": "no"}}
     if args.smoke:
         seqlens, args.warmup, args.iters = [64], 1, 2

@@ -165,3 +165,30 @@ def test_step_options_name_the_setting_that_cannot_run():
         step_options(TrainConfig(attention="flex"), cpu)
     with pytest.raises(UserError, match="must be one of auto | dense | flex | flash"):
         step_options(TrainConfig(attention="flesh"), cpu)
+
+
+def test_unrolled_compile_gives_the_reference_loss_and_gradients(monkeypatch):
+    """train.compile=unroll: all K steps traced as one graph (AOTAutograd's joint forward/backward, here with
+    the aot_eager backend: inductor's kernels are the GPU's business) train what the plain loop trains."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from train import ttt_loss as module
+
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(module, "_compiled_unroll", lambda: torch.compile(module.ttt_unroll, backend=counter))
+    d = drafter()
+    aux, ids, mask, teacher = inputs(2, 40, d)
+    results = []
+    for options in ({}, {"compile": "unroll", "loss_chunk": 7}):
+        d.zero_grad(set_to_none=True)
+        loss, sums = TTTObjective(d, 4, 0.8, **options)(aux, ids, mask, teacher)
+        loss.backward()
+        results.append((loss.detach(), sums, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
+    assert counter.frame_count == 1  # the four steps became one graph, and it ran
+    (l0, s0, g0), (l1, s1, g1) = results
+    torch.testing.assert_close(l1, l0, **TOL)
+    for key in s0:
+        torch.testing.assert_close(s1[key], s0[key], **TOL)
+    assert sorted(g0) == sorted(g1) and len(g0) >= 10
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], **TOL, msg=name)

@@ -122,7 +122,7 @@ def step_options(tc, device: torch.device) -> dict:
     """train.attention / compile / loss_chunk / activation_checkpointing -> TTTObjective's options (train.pack_length
     is train/fit.py's: it packs the batch, and TTTObjective reads the packed rows' doc_ids and positions)."""
     cuda = device.type == "cuda"
-    choices = {"attention": ("auto", "dense", "flex", "flash"), "compile": ("auto", "yes", "no")}
+    choices = {"attention": ("auto", "dense", "flex", "flash"), "compile": ("auto", "yes", "no", "unroll")}
     for key, allowed in choices.items():
         if getattr(tc, key) not in allowed:
             raise UserError(f"train.{key} = {getattr(tc, key)!r}: must be one of {' | '.join(allowed)}")
@@ -137,7 +137,7 @@ def step_options(tc, device: torch.device) -> dict:
     if attention == "flash" and tc.pack_length:
         raise UserError("train.attention = flash takes one document per row: use train.attention=flex (or dense) "
                         "with train.pack_length, or set train.pack_length=0")
-    compile = cuda if tc.compile == "auto" else tc.compile == "yes"
+    compile = "unroll" if tc.compile == "unroll" else cuda if tc.compile == "auto" else tc.compile == "yes"
     log.info("TTT step: %s attention, fused head loss in chunks of %s rows, compile %s, activation checkpointing %s, "
              "batches %s", attention, tc.loss_chunk or "(off)", compile, tc.activation_checkpointing,
              f"packed into rows of {tc.pack_length} tokens" if tc.pack_length else "right-padded")

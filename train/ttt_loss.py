@@ -98,6 +98,30 @@ def _block_mask(t: int, steps: int, device: torch.device):
     return ttt_block_mask(t, steps, device)
 
 
+def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, steps: int, attention: str, block_masks: tuple,
+               doc_ids, checkpoint: bool, step_fn=ttt_step) -> list[torch.Tensor]:
+    """The K steps, each on the previous one's output -> each step's h2 [B,T,H]."""
+    hidden, keys, values, hiddens = aux, [], [], []
+    for k in range(steps):
+        # tuples: a checkpoint's recompute must see the keys as they were, not the grown list
+        args = (drafter, hidden, shift_left(input_ids, k + 1), positions + k, tuple(keys), tuple(values), attention,
+                block_masks[k], doc_ids)
+        if checkpoint:
+            hidden, kk, vv = torch.utils.checkpoint.checkpoint(step_fn, *args, use_reentrant=False)
+        else:
+            hidden, kk, vv = step_fn(*args)
+        keys.append(kk)
+        values.append(vv)
+        hiddens.append(hidden)
+    return hiddens
+
+
+@functools.cache
+def _compiled_unroll():
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(ttt_unroll)
+
+
 def counted(loss_mask: torch.Tensor, in_vocab: torch.Tensor, doc_ids: torch.Tensor | None, k: int) -> torch.Tensor:
     """[B,T] -> bool [B,T]: the rows step k learns from: x[t+k+2] is trained on, the target's argmax at t+k+1
     is in the draft vocab, and (packed rows) t+k+2 is in t's document, so nothing reads the next document."""
@@ -107,16 +131,16 @@ def counted(loss_mask: torch.Tensor, in_vocab: torch.Tensor, doc_ids: torch.Tens
 
 def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
              teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor], steps: int, decay: float,
-             attention: str = "dense", loss_chunk: int = 0, checkpoint: bool = False, compile: bool = False,
+             attention: str = "dense", loss_chunk: int = 0, checkpoint: bool = False, compile: bool | str = False,
              doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None):
     """-> (weighted loss, per-step sums {"loss_sum", "correct", "count"}: [K] tensors, detached, not
     synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`).
     attention: "dense" | "flex" | "flash" (train/ttt_attention.py); loss_chunk: rows per chunk of the fused head
     loss (0: plain autograd; train/draft_head_loss.py); checkpoint: recompute each step's layer in the
-    backward instead of keeping its activations; compile: the step's layer and the head loss's elementwise
-    terms through torch.compile (fuses norms, RoPE, SiLU, softmaxes). doc_ids, positions [B,T]: packed rows
+    backward instead of keeping its activations; compile: True: the step's layer and the head loss's elementwise
+    terms through torch.compile (fuses norms, RoPE, SiLU, softmaxes), one graph per step; "unroll": all K steps
+    as one graph (autocast's weight casts once, not K times; the K gradients of each weight summed inside it). doc_ids, positions [B,T]: packed rows
     (train/packing.py): each token's document in its row (-1 on padding) and its position in that document."""
-    step_fn = _compiled_ttt_step() if compile else ttt_step
     p, top, in_vocab = teacher
     b, t = input_ids.shape
     tp = padded_length(t) if attention == "flex" else t  # padded rows count nowhere (loss mask 0)
@@ -131,28 +155,24 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
         doc_ids = F.pad(doc_ids, (0, tp - t), value=-1)  # flex's block padding: one more run of padding
     masks = [counted(loss_mask, in_vocab, doc_ids, k) for k in range(steps)]  # [B,T]
     where = [m.nonzero(as_tuple=True) for m in masks]
-    hidden, keys, values, xs, rows = aux, [], [], [], []
-    for k in range(steps):
-        block_mask = None
-        if attention == "flex":  # without documents the masks depend on the length only: built once per length
-            block_mask = ttt_block_mask(tp, k + 1, aux.device, doc_ids) if doc_ids is not None else \
-                _block_mask(tp, k + 1, aux.device)
-        # tuples: a checkpoint's recompute must see the keys as they were, not the grown list
-        args = (drafter, hidden, shift_left(input_ids, k + 1), positions + k, tuple(keys), tuple(values), attention,
-                block_mask, doc_ids)
-        if checkpoint:
-            hidden, kk, vv = torch.utils.checkpoint.checkpoint(step_fn, *args, use_reentrant=False)
-        else:
-            hidden, kk, vv = step_fn(*args)
-        keys.append(kk)
-        values.append(vv)
+    block_masks = [None] * steps
+    if attention == "flex":  # without documents the masks depend on the length only: built once per length
+        block_masks = [ttt_block_mask(tp, k + 1, aux.device, doc_ids) if doc_ids is not None else
+                       _block_mask(tp, k + 1, aux.device) for k in range(steps)]
+    args = (drafter, aux, input_ids, positions, steps, attention, tuple(block_masks), doc_ids, checkpoint)
+    if compile == "unroll":
+        hiddens = _compiled_unroll()(*args)
+    else:
+        hiddens = ttt_unroll(*args, step_fn=_compiled_ttt_step() if compile else ttt_step)
+    xs, rows = [], []
+    for k, hidden in enumerate(hiddens):
         bi, ti = where[k]
         xs.append(drafter.norm(hidden[bi, ti]))  # [n_k,H]: the rows that count
         rows.append(bi * t + ti + k + 1)  # their teacher: the target's distribution at t+k+1
     counts = torch.stack([m.sum() for m in masks])
     scales = decay ** torch.arange(steps, device=aux.device) / counts.clamp(min=1)
     total, loss_sums, correct = draft_head_loss(xs, drafter.lm_head.weight, p.flatten(0, 1), top.flatten(), rows,
-                                                scales, loss_chunk, compiled=compile)
+                                                scales, loss_chunk, compiled=bool(compile))
     return total, {"loss_sum": loss_sums, "correct": correct.float(), "count": counts.float()}
 
 
@@ -171,7 +191,7 @@ class TTTObjective(torch.nn.Module):
     """The drafter plus its TTT unroll as one forward, so DDP / DeepSpeed wrap the whole step."""
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, attention: str = "dense",
-                 loss_chunk: int = 0, checkpoint: bool = False, compile: bool = False):
+                 loss_chunk: int = 0, checkpoint: bool = False, compile: bool | str = False):
         super().__init__()
         self.drafter, self.steps, self.decay = drafter, steps, decay
         self.options = {"attention": attention, "loss_chunk": loss_chunk, "checkpoint": checkpoint,
