@@ -108,21 +108,16 @@ def test_fused_head_loss_equals_plain_autograd():
     assert out[0][1][0] > 0 and out[0][1][1] == 0
 
 
-@pytest.mark.parametrize("options", [{"loss_chunk": 7}, {"loss_chunk": 7, "checkpoint": True},
-                                     {"loss_chunk": 0, "checkpoint": True}, {"attention": "flash", "loss_chunk": 7},
-                                     {"attention": "flash", "checkpoint": True}])
-def test_ttt_loss_options_give_the_reference_loss_and_gradients(options):
-    d = drafter()
+def assert_trains_like_the_reference(d: Eagle3Drafter, steps: int, options: dict) -> None:
+    """TTTObjective with `options` vs the plain one (dense attention, plain head loss, no checkpointing, no
+    compile) on one random batch: loss, per-step sums and every gradient at TOL."""
     aux, ids, mask, teacher = inputs(2, 40, d)
-    ref = TTTObjective(d, 4, 0.8)  # dense attention, plain head loss, no checkpointing
-    fast = TTTObjective(d, 4, 0.8, **options)
     results = []
-    for objective in (ref, fast):
+    for o in ({}, options):
         d.zero_grad(set_to_none=True)
-        loss, sums = objective(aux, ids, mask, teacher)
+        loss, sums = TTTObjective(d, steps, 0.8, **o)(aux, ids, mask, teacher)
         loss.backward()
-        grads = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
-        results.append((loss.detach(), sums, grads))
+        results.append((loss.detach(), sums, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
     (l0, s0, g0), (l1, s1, g1) = results
     torch.testing.assert_close(l1, l0, **TOL)
     for key in s0:
@@ -130,6 +125,13 @@ def test_ttt_loss_options_give_the_reference_loss_and_gradients(options):
     assert sorted(g0) == sorted(g1) and len(g0) >= 10
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], **TOL, msg=name)
+
+
+@pytest.mark.parametrize("options", [{"loss_chunk": 7}, {"loss_chunk": 7, "checkpoint": True},
+                                     {"loss_chunk": 0, "checkpoint": True}, {"attention": "flash", "loss_chunk": 7},
+                                     {"attention": "flash", "checkpoint": True}])
+def test_ttt_loss_options_give_the_reference_loss_and_gradients(options):
+    assert_trains_like_the_reference(drafter(), 4, options)
 
 
 def test_ttt_loss_with_flex_attention_equals_dense(monkeypatch):
@@ -176,19 +178,5 @@ def test_unrolled_compile_gives_the_reference_loss_and_gradients(monkeypatch):
 
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(module, "_compiled_unroll", lambda: torch.compile(module.ttt_unroll, backend=counter))
-    d = drafter()
-    aux, ids, mask, teacher = inputs(2, 40, d)
-    results = []
-    for options in ({}, {"compile": "unroll", "loss_chunk": 7}):
-        d.zero_grad(set_to_none=True)
-        loss, sums = TTTObjective(d, 3, 0.8, **options)(aux, ids, mask, teacher)
-        loss.backward()
-        results.append((loss.detach(), sums, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
+    assert_trains_like_the_reference(drafter(), 3, {"compile": "unroll", "loss_chunk": 7})
     assert counter.frame_count == 1  # the three steps became one graph, and it ran
-    (l0, s0, g0), (l1, s1, g1) = results
-    torch.testing.assert_close(l1, l0, **TOL)
-    for key in s0:
-        torch.testing.assert_close(s1[key], s0[key], **TOL)
-    assert sorted(g0) == sorted(g1) and len(g0) >= 10
-    for name in g0:
-        torch.testing.assert_close(g1[name], g0[name], **TOL, msg=name)
