@@ -183,7 +183,8 @@ def diagonal_grads(q, out, lse, dout, keys, values):
 
 @functools.cache
 def _fused(fn):
-    """fn through torch.compile on CUDA (one pass over each tensor instead of one per op); as is on CPU."""
+    """fn through torch.compile: one pass over each tensor instead of one per op (the callers use it on CUDA;
+    CPU runs the plain functions)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one graph per step k
     return torch.compile(fn, dynamic=False)
 
