@@ -82,17 +82,22 @@ def dry_run(parser: argparse.ArgumentParser, prog: str, cfg: RunConfig, args: ar
     parser.exit(0)
 
 
+def env_threads() -> int | None:
+    """$OMP_NUM_THREADS when it is a positive integer (launchers and `make test` set it per process), else None."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() and int(env) > 0 else None
+
+
 def set_threads(threads: int) -> int:
     """torch's intra-op threads: `threads`, else $OMP_NUM_THREADS (launchers set it per process), else
     the cores idle right now (at most torch's default): spinning threads on a core that another
     process holds lose whole time slices, while on an idle machine every core pays (docs/PERFORMANCE.md)."""
     import torch
 
-    env = os.environ.get("OMP_NUM_THREADS", "")
     if threads:
         n, why = threads, "threads"
-    elif env.isdigit() and int(env) > 0:
-        n, why = int(env), "$OMP_NUM_THREADS"
+    elif env_threads():
+        n, why = env_threads(), "$OMP_NUM_THREADS"
     else:
         idle = idle_cores()
         n = max(1, min(torch.get_num_threads(), idle if idle is not None else torch.get_num_threads()))

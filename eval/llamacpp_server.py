@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from core.cli import env_threads
 from eval.llamacpp import LLAMACPP_BUILD, convert_drafter, convert_to_gguf, gguf_target_layers, llamacpp_tree
 from eval.spec_counters import PROMETHEUS_PREFIX, prometheus_spec_counters
 
@@ -68,8 +69,7 @@ def server_threads(threads: int | None = None) -> int:
     core.cli.set_threads gives torch; `make test` sets 1), else 2. ggml's threads spin at their barriers, so
     a second one on a core that another process holds loses whole time slices per op (measured: the data_gen
     llama.cpp test 46 s with -t 2, 22 s with -t 1, one of the 2 cores busy elsewhere)."""
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    return threads or (int(env) if env.isdigit() and int(env) > 0 else 2)
+    return threads or env_threads() or 2
 
 
 class LlamaServer:
