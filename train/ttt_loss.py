@@ -87,10 +87,11 @@ def ttt_step(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, at
 
 
 @functools.cache
-def _compiled_ttt_step():
+def _compiled(fn):
+    """torch.compile(fn), once per function (ttt_step, ttt_unroll)."""
     # one graph per step k (k earlier keys) and shape family: more than dynamo's default limit of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(ttt_step)
+    return torch.compile(fn)
 
 
 @functools.lru_cache(maxsize=64)
@@ -114,12 +115,6 @@ def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, steps: int, at
         values.append(vv)
         hiddens.append(hidden)
     return hiddens
-
-
-@functools.cache
-def _compiled_unroll():
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(ttt_unroll)
 
 
 def counted(loss_mask: torch.Tensor, in_vocab: torch.Tensor, doc_ids: torch.Tensor | None, k: int) -> torch.Tensor:
@@ -161,9 +156,9 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
                        _block_mask(tp, k + 1, aux.device) for k in range(steps)]
     args = (drafter, aux, input_ids, positions, steps, attention, tuple(block_masks), doc_ids, checkpoint)
     if compile == "unroll":
-        hiddens = _compiled_unroll()(*args)
+        hiddens = _compiled(ttt_unroll)(*args)
     else:
-        hiddens = ttt_unroll(*args, step_fn=_compiled_ttt_step() if compile else ttt_step)
+        hiddens = ttt_unroll(*args, step_fn=_compiled(ttt_step) if compile else ttt_step)
     xs, rows = [], []
     for k, hidden in enumerate(hiddens):
         bi, ti = where[k]
