@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -112,15 +113,22 @@ def shards(overfit_tiny, tmp_path):
     return new_run
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def train_on(processes: int, run_dir: Path, *extra: str, torchrun: bool = False) -> str:
     """`python -m train` (1: in this process, conftest.run_stage), `accelerate launch --multi_gpu --num_processes
     N -m train` or `torchrun --nproc_per_node N -m train` -> its stderr."""
     if processes == 1:
         return run_stage("train", *flags(run_dir, *WORLD_TRAIN, *extra)).stderr
     bin_dir = Path(sys.executable).parent
-    launcher = [str(bin_dir / "torchrun"), "--nproc_per_node", str(processes)] if torchrun else [
+    port = str(free_port())  # not the launchers' shared default 29500, which another run may still hold
+    launcher = [str(bin_dir / "torchrun"), "--nproc_per_node", str(processes), "--master_port", port] if torchrun else [
         str(bin_dir / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(processes),
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
     proc = subprocess.run([*launcher, "-m", "train", *flags(run_dir, *WORLD_TRAIN, *extra)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
