@@ -140,7 +140,8 @@ class TrainConfig:
                                "0 = plain autograd (the reference path)", ge=0)
     compile: str = _f("auto", "auto | yes | no | unroll: torch.compile the TTT step's layer (fuses norms, RoPE, "
                               "SiLU), one graph per step; unroll = all K steps as one graph (weights cast once, "
-                              "their K gradients summed inside it; not yet measured on a GPU); auto = yes on CUDA")
+                              "their K gradients summed inside it: 1.09-1.23x yes's tokens/s on an H200, less "
+                              "memory); auto = unroll on CUDA, no on CPU")
     tau_every: int = _f(0, "optimizer steps between τ measurements (eval's hf engine on the drafter as exported, "
                            "greedy chain of K = eval.draft_steps, on eval's prompts), also at the last step; "
                            "logged with loss_k / acc_k; 0 = off", ge=0)

@@ -197,7 +197,9 @@ def parity(args, device) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     with torch.autocast("cuda", torch.bfloat16):  # FlashAttention-2 has no fp32 kernel: all three in bf16
         recs.append(compare(d, device, {"reference": (reference, padded), "fast": (fast, padded),
-                                        "fast_flash": ({**fast, "attention": "flash"}, padded)}, "parity_bf16"))
+                                        "fast_flash": ({**fast, "attention": "flash"}, padded),
+                                        "fast_unroll_flash": ({**fast, "attention": "flash", "compile": "unroll"}, padded)},
+                                "parity_bf16"))
     recs.append(flash_attention_alone(device))
     return recs
 
@@ -205,19 +207,21 @@ def parity(args, device) -> dict:
 def flash_attention_alone(device) -> dict:
     """The flash TTT attention by itself in bf16 (the 8B shape's 32/8 heads at T=1024, and the parity's shape: batch
     2, 4/2 heads, T=300, d=64; steps 1-4) against the dense path in fp32 on the same bf16 inputs: relative error of
-    the output and of each input's gradient, the worst per case."""
+    the output and of each input's gradient, the worst per case. Inputs are transposed [B,T,n,d] views, as the
+    step hands them (contiguous ones hid a 10-100% error that strided ones showed)."""
     from train.ttt_attention import dense_ttt_attention, merged_ttt_attention
 
     g = torch.Generator(device=device).manual_seed(11)
     worst = {}
     for (b, nh, nkv, t, d), steps in itertools.product(((1, 32, 8, 1024, 128), (2, 4, 2, 300, 64)), range(1, 5)):
-        q = torch.randn(b, nh, t, d, device=device, generator=g).bfloat16().requires_grad_()
-        keys = [torch.randn(b, nkv, t, d, device=device, generator=g).bfloat16().requires_grad_() for _ in range(steps)]
-        values = [torch.randn(b, nkv, t, d, device=device, generator=g).bfloat16().requires_grad_() for _ in range(steps)]
+        q, *kv = (torch.randn(b, t, n, d, device=device, generator=g).bfloat16().requires_grad_()
+                  for n in (nh, *[nkv] * (2 * steps)))
+        keys, values = kv[:steps], kv[steps:]
+        qt, kt, vt = q.transpose(1, 2), [k.transpose(1, 2) for k in keys], [v.transpose(1, 2) for v in values]
         weight = torch.randn(b, nh, t, d, device=device, generator=g)
         results = []
-        for out in (dense_ttt_attention(q.float(), [k.float() for k in keys], [v.float() for v in values]),
-                    merged_ttt_attention(q, keys, values)):
+        for out in (dense_ttt_attention(qt.float(), [k.float() for k in kt], [v.float() for v in vt]),
+                    merged_ttt_attention(qt, kt, vt)):
             results.append((out.detach(), *torch.autograd.grad((out.float() * weight).sum(), [q, *keys, *values])))
         worst[f"B{b} {nh}/{nkv} heads T{t} d{d} steps {steps}"] = max(float((b.float() - a.float()).norm() / a.float().norm()) for a, b in zip(*results, strict=True))
     return {"kind": "flash_attention_alone_bf16", "rel_max": worst}
@@ -251,7 +255,7 @@ def main() -> None:
     ap.add_argument("--variants", default="fast,fast_ckpt",
                     help="fast (flex + compile + fused loss: the GPU defaults) | fast_ckpt (+ activation "
                          "checkpointing) | fast_flash (FlashAttention-2 + log-sum-exp merge) | fast_unroll (the K steps as one "
-                         "compiled graph) | fast_docs (fast on rows of packed documents, train.pack_length; MFU counts "
+                         "compiled graph) | fast_unroll_flash (both) | fast_docs (fast on rows of packed documents, train.pack_length; MFU counts "
                          "the attention they need) | eager (flex + fused loss, no compile) | dense (the CPU path)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ttt", type=int, default=7)
@@ -272,6 +276,7 @@ def main() -> None:
     args.profile = [int(x) for x in args.profile.split(",") if x]
     variants = {"fast": {}, "fast_ckpt": {"activation_checkpointing": True}, "fast_docs": {},
                 "fast_flash": {"attention": "flash"}, "fast_unroll": {"compile": "unroll"},
+                "fast_unroll_flash": {"compile": "unroll", "attention": "flash"},
                 "eager": {"compile": "no"}, "dense": {"attention": "dense", "compile": "no"}}
     if args.smoke:
         seqlens, args.warmup, args.iters = [64], 1, 2
@@ -302,6 +307,8 @@ def main() -> None:
                 emit(bench(args, s, t, name, variants[name], device))
             except torch.OutOfMemoryError as e:
                 emit({"impl": "eagle3", "variant": name, "seq_len": t, "error": "OOM", "detail": str(e)[:200]})
+            except Exception as e:  # noqa: BLE001 -- one variant's failure (a compile error, say) must not cost the others' figures
+                emit({"impl": "eagle3", "variant": name, "seq_len": t, "error": type(e).__name__, "detail": str(e)[:300]})
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -131,13 +131,14 @@ def step_options(tc, device: torch.device) -> dict:
         raise UserError("train.attention = flex needs a CUDA device (flex attention has no backward on CPU): "
                         "use train.attention=dense")
     if attention == "flash" and cuda:  # scripts/bench_train_step.py measures it on CUDA, bypassing this
-        raise UserError("train.attention = flash is not yet cleared on CUDA: its bf16 gradient check in "
-                        "scripts/bench_train_step.py --parity differs from the dense path (docs/PERFORMANCE.md); "
+        raise UserError("train.attention = flash is not yet cleared on CUDA: the fix for its bf16 gradient error "
+                        "(strided inputs, docs/PERFORMANCE.md) awaits scripts/bench_train_step.py --parity on a GPU; "
                         "use train.attention=flex")
     if attention == "flash" and tc.pack_length:
         raise UserError("train.attention = flash takes one document per row: use train.attention=flex (or dense) "
                         "with train.pack_length, or set train.pack_length=0")
-    compile = "unroll" if tc.compile == "unroll" else cuda if tc.compile == "auto" else tc.compile == "yes"
+    # auto on CUDA = unroll: 1.09-1.23x the per-step graphs' tokens/s and less memory (docs/PERFORMANCE.md)
+    compile = "unroll" if tc.compile == "unroll" or (tc.compile == "auto" and cuda) else tc.compile == "yes"
     log.info("TTT step: %s attention, fused head loss in chunks of %s rows, compile %s, activation checkpointing %s, "
              "batches %s", attention, tc.loss_chunk or "(off)", compile, tc.activation_checkpointing,
              f"packed into rows of {tc.pack_length} tokens" if tc.pack_length else "right-padded")
