@@ -190,17 +190,21 @@ def parity(args, device) -> dict:
               {"doc_ids": p["doc_ids"], "positions": p["positions"]})
     fast = {"attention": "flex", "loss_chunk": 128, "compile": "yes"}
     reference = {"attention": "dense", "loss_chunk": 0, "compile": "no"}
-    recs = [compare(d, device, {"reference": (reference, padded), "fast": (fast, padded),
-                                "fast_ckpt": ({**fast, "activation_checkpointing": True}, padded),
-                                "fast_packed": (fast, packed), "fast_unroll": ({**fast, "compile": "unroll"}, padded),
-                                "fast_unroll_packed": ({**fast, "compile": "unroll"}, packed)}, "parity")]
-    torch.backends.cuda.matmul.allow_tf32 = True
-    with torch.autocast("cuda", torch.bfloat16):  # FlashAttention-2 has no fp32 kernel: all three in bf16
+    recs = []
+    if "fp32" in args.parity:
         recs.append(compare(d, device, {"reference": (reference, padded), "fast": (fast, padded),
-                                        "fast_flash": ({**fast, "attention": "flash"}, padded),
-                                        "fast_unroll_flash": ({**fast, "attention": "flash", "compile": "unroll"}, padded)},
-                                "parity_bf16"))
-    recs.append(flash_attention_alone(device))
+                                        "fast_ckpt": ({**fast, "activation_checkpointing": True}, padded),
+                                        "fast_packed": (fast, packed), "fast_unroll": ({**fast, "compile": "unroll"}, padded),
+                                        "fast_unroll_packed": ({**fast, "compile": "unroll"}, packed)}, "parity"))
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if "bf16" in args.parity:
+        with torch.autocast("cuda", torch.bfloat16):  # FlashAttention-2 has no fp32 kernel: all three in bf16
+            recs.append(compare(d, device, {"reference": (reference, padded), "fast": (fast, padded),
+                                            "fast_flash": ({**fast, "attention": "flash"}, padded),
+                                            "fast_unroll_flash": ({**fast, "attention": "flash", "compile": "unroll"},
+                                                                  padded)}, "parity_bf16"))
+    if "alone" in args.parity:
+        recs.append(flash_attention_alone(device))
     return recs
 
 
@@ -262,7 +266,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--peak-tflops", type=float, default=784.0)
-    ap.add_argument("--parity", action="store_true")
+    ap.add_argument("--parity", nargs="?", const="fp32,bf16,alone", default="",
+                    help="the GPU checks to run first, a comma list of fp32 (the fast paths vs the reference), bf16 "
+                         "(flash too, under autocast), alone (the flash attention by itself); bare: all three. "
+                         "fp32 compiles eleven paths: ~5 min of an H200")
     ap.add_argument("--profile", default="", help="lengths (comma list) at which to print the kernel time table of one step")
     ap.add_argument("--trace-dir", default=None, help="with --profile: also write each profiled step's chrome trace here")
     ap.add_argument("--specforge-wheel", default=None)

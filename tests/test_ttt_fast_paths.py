@@ -193,7 +193,8 @@ def test_step_options_name_the_setting_that_cannot_run():
         step_options(TrainConfig(attention="flesh"), cpu)
 
 
-def test_unrolled_compile_gives_the_reference_loss_and_gradients(monkeypatch):
+@pytest.mark.parametrize("attention", ["dense", "flash"])
+def test_unrolled_compile_gives_the_reference_loss_and_gradients(monkeypatch, attention):
     """train.compile=unroll: all K steps traced as one graph (AOTAutograd's joint forward/backward, here with
     the aot_eager backend: inductor's kernels are the GPU's business) train what the plain loop trains."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -202,5 +203,5 @@ def test_unrolled_compile_gives_the_reference_loss_and_gradients(monkeypatch):
 
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(module, "_compiled", lambda fn: torch.compile(fn, backend=counter))
-    assert_trains_like_the_reference(drafter(), 3, {"compile": "unroll", "loss_chunk": 7})
-    assert counter.frame_count == 1  # the three steps became one graph, and it ran
+    assert_trains_like_the_reference(drafter(), 3, {"compile": "unroll", "loss_chunk": 7, "attention": attention})
+    assert counter.frame_count == 1  # the three steps became one graph (flash's kernels and merge inside it), and it ran

@@ -221,9 +221,10 @@ class _MergedAttention(torch.autograd.Function):
         return dq, *dkeys, *dvalues
 
 
-@torch.compiler.disable  # its own kernels and autograd.Function: a compiled step calls it as is
 def merged_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     """`dense_ttt_attention` without doc_ids, any T, through a causal flash kernel plus the diagonal terms.
     Inputs made contiguous first: on an H200, q/k/v as the step makes them (transposed [B,T,n,d] views) gave
-    outputs and gradients 10-100% off from step 2 on, contiguous copies 0.4% (bf16; docs/PERFORMANCE.md)."""
+    outputs and gradients 10-100% off from step 2 on, contiguous copies 0.4% (bf16; docs/PERFORMANCE.md).
+    torch.compile traces it (the autograd.Function and its kernels) into the step's graph: train.compile=unroll
+    stays one graph with it."""
     return _MergedAttention.apply(q.contiguous(), *(k.contiguous() for k in keys), *(v.contiguous() for v in values))
