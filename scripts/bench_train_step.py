@@ -27,6 +27,12 @@ flash kernel), and a third the attention alone in bf16 against an fp32 dense ref
 and SpecForge's, starts from a fresh torch.compile cache, so its graphs are static-shape, as a run of packed
 rows of one length is (SpecForge's harness alone reuses its first length's graphs as dynamic-shape ones:
 19.9k tok/s at 2048 after 8192 vs 22.4k when 2048 comes first).
+
+--with-optimizer times the whole training step on both sides instead: ours adds train/loop.py's AdamW
+after Accelerate's gradient-norm clip at 0.5 (fit.py's order); SpecForge's (scripts/specforge_full_step.py)
+adds its own BF16Optimizer (clip at 0.5, fp32 master copies, AdamW, copy back). Peak memory then counts the
+optimizer state each side really holds: our fp32 weights are the masters; SpecForge keeps masters beside its
+bf16 weights.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import TrainConfig  # noqa: E402
 from core.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from train.loop import frozen_to_matmul_dtype, step_options  # noqa: E402
+from train.loop import frozen_to_matmul_dtype, make_optimizer, step_options  # noqa: E402
 from train.packing import pack  # noqa: E402
 from train.ttt_loss import TTTObjective, teacher_targets  # noqa: E402
 
@@ -130,6 +136,8 @@ def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
     x = batch(s, args.batch, t, d, device)
     docs, span = documents(t, args.batch, device) if variant in DOC_VARIANTS else ({}, None)
     params = [p for p in objective.parameters() if p.requires_grad]
+    opt = accelerator.prepare(make_optimizer(params, TrainConfig(lr=1e-5))) if args.with_optimizer else None
+    rec["optimizer"] = "AdamW" if opt else None
 
     def step():
         for p in params:
@@ -137,6 +145,10 @@ def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
         teacher = teacher_targets(x["final"], x["loss_mask"], draft_head, d.t2d, x["argmax"], docs.get("doc_ids"))
         loss, sums = objective(x["aux"], x["input_ids"], x["loss_mask"], teacher, **docs)
         accelerator.backward(loss)
+        if opt:  # as train/fit.py: clip, step, grads to None
+            accelerator.clip_grad_norm_(params, 0.5)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return loss
 
     def timed() -> float:
@@ -166,7 +178,8 @@ def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
     rec.update(step_ms=round(med * 1e3, 1), step_ms_min=round(min(times) * 1e3, 1),
                step_ms_max=round(max(times) * 1e3, 1), tokens_per_s=round(args.batch * t / med),
                mfu=round(fl / med / (args.peak_tflops * 1e12), 4),
-               grads_finite=all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None))
+               grads_finite=None if opt else all(bool(torch.isfinite(p.grad).all()) for p in params),
+               weights_finite=all(bool(torch.isfinite(p).all()) for p in params))
     if device.type == "cuda":
         rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return rec
@@ -274,6 +287,8 @@ def main() -> None:
     ap.add_argument("--trace-dir", default=None, help="with --profile: also write each profiled step's chrome trace here")
     ap.add_argument("--specforge-wheel", default=None)
     ap.add_argument("--specforge-harness", default=".carry/specforge_step.py")
+    ap.add_argument("--with-optimizer", action="store_true",
+                    help="time whole training steps: + AdamW (ours) / BF16Optimizer (SpecForge's), see above")
     ap.add_argument("--out", default=None, help="append one JSON line per record")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks this script runs")
     args = ap.parse_args()
@@ -301,8 +316,11 @@ def main() -> None:
         sf_out = Path(args.out or "/tmp/bench_train_step.jsonl").with_suffix(".specforge.jsonl")
         sf_out.unlink(missing_ok=True)
         for t in seqlens:  # one process per length: static-shape graphs, as ours get (dynamo reset per length)
-            subprocess.run([sys.executable, args.specforge_harness, "--wheel", args.specforge_wheel, "--configs",
-                            f"flex_attention:{t}", "--measure-peak", "--out", str(sf_out)], check=False)
+            cmd = ([str(Path(__file__).with_name("specforge_full_step.py")), "--harness", args.specforge_harness,
+                    "--seq-len", str(t), "--warmup", str(args.warmup), "--iters", str(args.iters)]
+                   if args.with_optimizer else
+                   [args.specforge_harness, "--configs", f"flex_attention:{t}", "--measure-peak"])
+            subprocess.run([sys.executable, *cmd, "--wheel", args.specforge_wheel, "--out", str(sf_out)], check=False)
         for line in sf_out.read_text().splitlines() if sf_out.exists() else []:
             emit({"impl": "specforge", **json.loads(line)})
     if args.parity and device.type == "cuda":

@@ -146,6 +146,12 @@ def step_options(tc, device: torch.device) -> dict:
             "checkpoint": tc.activation_checkpointing}
 
 
+def make_optimizer(params: list[torch.Tensor], tc) -> torch.optim.Optimizer:
+    """AdamW over the trainable weights (fp32 masters: they are the parameters; scripts/bench_train_step.py
+    --with-optimizer times the same one)."""
+    return torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+
+
 def open_run(cfg: RunConfig, accelerator: Accelerator, source, fresh: bool):
     """Log where this run trains, and (main process) ready train/ and drafter/ for its settings."""
     train_dir, out = cfg.run_path / "train", cfg.run_path / "drafter"
@@ -214,7 +220,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     t2d_dev = t2d.to(accelerator.device)
     objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, **step_options(tc, accelerator.device))
     params = [p for p in objective.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    opt = make_optimizer(params, tc)
     ckpt_root = train_dir / "checkpoints"
     latest = read_latest(accelerator, ckpt_root)
     world = accelerator.num_processes
