@@ -131,8 +131,8 @@ class TrainConfig:
                                       "(AVX512-BF16/AMX), fp32 elsewhere (bf16 is ~200x slower there)")
     attention: str = _f("auto", "auto | dense | flex | flash: TTT attention; flex (CUDA) never builds a [T,T] matrix; "
                                 "flash = a causal FlashAttention kernel plus the diagonal terms merged by log-sum-exp "
-                                "(CPU; on CUDA pending its bf16 gradient check; not with pack_length); auto = flex on "
-                                "CUDA, dense elsewhere")
+                                "(checked against dense on the device before training: train/flash_check.py; not with "
+                                "pack_length); auto = flex on CUDA, dense elsewhere")
     pack_length: int = _f(0, "> 0: pack each micro-batch's samples into rows of exactly this many tokens, several "
                              "documents per row, kept apart by a document mask (static shapes, little padding; trains "
                              "what the padded batch trains); must be >= train.max_len; 0 = right-padded batches", ge=0)

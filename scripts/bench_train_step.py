@@ -117,9 +117,7 @@ def documents(t: int, b: int, device) -> tuple[dict, float]:
 
 
 def objective_for(d: Eagle3Drafter, device, k_steps: int, overrides: dict) -> TTTObjective:
-    flash = overrides.get("attention") == "flash"  # train refuses it on CUDA until --parity clears it: measured here
-    options = step_options(TrainConfig(**{**overrides, "attention": "auto"} if flash else overrides), device)
-    return TTTObjective(d, k_steps, 0.8, **{**options, "attention": "flash"} if flash else options)
+    return TTTObjective(d, k_steps, 0.8, **step_options(TrainConfig(**overrides), device))
 
 
 def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:

@@ -9,7 +9,7 @@ there with `python -m pytest -x -q`. Killed = pytest exits 1 (a test failed). A 
 exit (a collection error says the mutant broke the import, not the behaviour), is a survivor.
 Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, K1-K2 the two it
 found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S1-S2 and T1-T2 issue
-10's speculative sampling and draft trees, F1-F9 issue 13's fast TTT step (flex block mask, fused loss,
+10's speculative sampling and draft trees, F1-F11 issue 13's fast TTT step (flex block mask, fused loss,
 checkpointing, flash kernel + log-sum-exp merge, one-graph unroll), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W5 its resume onto another
 number of processes, G1-G5 issue 14's static batched generation loop, P1-P3 data_gen's pool of
 requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
@@ -126,6 +126,10 @@ MUTANTS = [
            "train/ttt_attention.py",
            "_MergedAttention.apply(q.contiguous(), *(k.contiguous() for k in keys), *(v.contiguous() for v in values))",
            "_MergedAttention.apply(q, *keys, *values)", FAST),
+    Mutant("F10", "train uses flash attention without checking it on the device first", "train/loop.py",
+           "        check_flash(accelerator.device)", "        pass", ("tests/test_train_online.py",)),
+    Mutant("F11", "the flash check lets any gradient error through", "train/flash_check.py",
+           "    if errors[worst] > LIMIT:", "    if errors[worst] > 100 * LIMIT:", FAST),
     Mutant("F5", "flash TTT attention: the causal part is not rescaled by the merged log-sum-exp",
            "train/ttt_attention.py", "out = out0.float() * (lse0 - lse).exp()[..., None]", "out = out0.float()", FAST),
     Mutant("F6", "flash TTT attention's backward drops the diagonal keys' share of dq", "train/ttt_attention.py",

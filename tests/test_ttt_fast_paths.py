@@ -185,8 +185,6 @@ def test_step_options_name_the_setting_that_cannot_run():
     assert step_options(TrainConfig(compile="yes"), torch.device("cuda"))["compile"] is True
     with pytest.raises(UserError, match="train.attention = flash takes one document per row"):
         step_options(TrainConfig(attention="flash", pack_length=4096), cpu)
-    with pytest.raises(UserError, match="flash is not yet cleared on CUDA"):
-        step_options(TrainConfig(attention="flash"), torch.device("cuda"))  # a check of names: no GPU needed
     with pytest.raises(UserError, match="train.attention = flex needs a CUDA device"):
         step_options(TrainConfig(attention="flex"), cpu)
     with pytest.raises(UserError, match="must be one of auto | dense | flex | flash"):
@@ -205,3 +203,23 @@ def test_unrolled_compile_gives_the_reference_loss_and_gradients(monkeypatch, at
     monkeypatch.setattr(module, "_compiled", lambda fn: torch.compile(fn, backend=counter))
     assert_trains_like_the_reference(drafter(), 3, {"compile": "unroll", "loss_chunk": 7, "attention": attention})
     assert counter.frame_count == 1  # the three steps became one graph (flash's kernels and merge inside it), and it ran
+
+
+def test_flash_checks_itself_against_the_dense_path_and_names_what_is_off(monkeypatch):
+    """train/flash_check.py: on a correct kernel (CPU, fp32) every gradient agrees and the check passes; with the
+    diagonal terms dropped, as a broken kernel might, it stops with the parameter and the limit. The caller's
+    RNG is left as it was (training's data order and init must not depend on whether flash was checked)."""
+    from core.errors import UserError
+    from train import flash_check
+    from train import ttt_loss as module
+
+    state = torch.get_rng_state()
+    errors = flash_check.flash_gradient_errors(torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert len(errors) >= 10 and max(errors.values()) < 1e-4
+    flash_check.check_flash(torch.device("cpu"))
+    real = module.merged_ttt_attention
+    monkeypatch.setattr(module, "merged_ttt_attention", lambda q, keys, values: real(q, keys[:1], values[:1]))
+    with pytest.raises(UserError, match=r"train.attention = flash: on this CPU its gradients differ from the dense "
+                                        r"path's by up to \d+\.\d% \(.+; 3% allowed\): use train.attention=flex"):
+        flash_check.check_flash(torch.device("cpu"))

@@ -33,6 +33,7 @@ from train.checkpoint import load_checkpoint, read_latest
 from train.data import ShardSource, aux_rms
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
 from train.fit import Fit, fit
+from train.flash_check import check_flash
 from train.online import OnlineSource
 from train.plots import plot_curves
 from train.position import accum_for
@@ -130,10 +131,6 @@ def step_options(tc, device: torch.device) -> dict:
     if attention == "flex" and not cuda:
         raise UserError("train.attention = flex needs a CUDA device (flex attention has no backward on CPU): "
                         "use train.attention=dense")
-    if attention == "flash" and cuda:  # scripts/bench_train_step.py measures it on CUDA, bypassing this
-        raise UserError("train.attention = flash is not yet cleared on CUDA: the fix for its bf16 gradient error "
-                        "(strided inputs, docs/PERFORMANCE.md) awaits scripts/bench_train_step.py --parity on a GPU; "
-                        "use train.attention=flex")
     if attention == "flash" and tc.pack_length:
         raise UserError("train.attention = flash takes one document per row: use train.attention=flex (or dense) "
                         "with train.pack_length, or set train.pack_length=0")
@@ -218,7 +215,10 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     ds = source.dataset(target, matmul_dtype, tc.loss_on_prompt)
     draft_head = target.lm_head[draft_ids].to(accelerator.device, matmul_dtype)  # [Vd,H]: the teacher's rows
     t2d_dev = t2d.to(accelerator.device)
-    objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, **step_options(tc, accelerator.device))
+    options = step_options(tc, accelerator.device)
+    if options["attention"] == "flash":
+        check_flash(accelerator.device)  # its gradients against the dense path's, on this device, before training
+    objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, **options)
     params = [p for p in objective.parameters() if p.requires_grad]
     opt = make_optimizer(params, tc)
     ckpt_root = train_dir / "checkpoints"
