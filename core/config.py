@@ -149,6 +149,9 @@ class TrainConfig:
     tau_new_tokens: int = _f(48, "tokens generated per prompt in a τ measurement", ge=1)
     activation_checkpointing: bool = _f(False, "recompute each TTT step's layer in the backward: less memory, "
                                                "about a third more layer compute")
+    bf16_weights: bool = _f(False, "trainable weights and their gradients in bf16, fp32 masters in the optimizer "
+                                   "(train/master_weights.py, SpecForge's layout): a lower step peak, the same "
+                                   "total with AdamW; needs mixed_precision bf16, not with DeepSpeed")
 
     def __post_init__(self):
         if 0 < self.pack_length < self.max_len:  # a sample of max_len tokens must fit a row

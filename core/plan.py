@@ -66,7 +66,7 @@ def drafter_params(dc: DrafterConfig) -> dict[str, int]:
 
 
 def train_memory(dc: DrafterConfig, trainable: int, batch: int, max_len: int, steps: int, bf16: bool,
-                 checkpointing: bool = False, loss_chunk: int = 8192) -> dict:
+                 checkpointing: bool = False, loss_chunk: int = 8192, bf16_weights: bool = False) -> dict:
     """Bytes per GPU, an estimate of the step train/loop.py runs (flex attention: no [T,T] matrix; fused
     head loss in chunks). Static: fp32 weights + grads + AdamW's two moments of the trainable parameters,
     their bf16 autocast copies, the frozen embedding (bf16 under bf16) and the teacher's draft-vocab head.
@@ -81,7 +81,8 @@ def train_memory(dc: DrafterConfig, trainable: int, batch: int, max_len: int, st
     h, n, vd = dc.hidden_size, batch * max_len, dc.draft_vocab_size
     per_token_step = act * (9 * h if checkpointing else 20 * h + 3 * dc.intermediate_size)
     loss_temporaries = 0 if checkpointing else min(n * steps, loss_chunk) * vd * 10
-    return {"weights, grads, AdamW": 16 * trainable + (2 * trainable if bf16 else 0),
+    # fp32 weights + grads + 2 moments (+ autocast's bf16 copies); bf16_weights: 2 + 2 + fp32 masters + 2 moments
+    return {"weights, grads, AdamW": 16 * trainable + (2 * trainable if bf16 and not bf16_weights else 0),
             "frozen embedding + teacher head": act * dc.vocab_size * h + act * vd * h,
             "batch inputs + teacher": n * 4 * (4 * dc.target_hidden_size + vd),
             "activations": steps * n * per_token_step + loss_temporaries}
@@ -141,7 +142,7 @@ def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
     bf16 = t.mixed_precision != "no"
     row = t.pack_length or t.max_len  # packed: up to batch_size rows of pack_length tokens
     mem = train_memory(dc, trainable, t.batch_size, row, t.ttt_steps, bf16, t.activation_checkpointing,
-                       t.loss_chunk)
+                       t.loss_chunk, t.bf16_weights)
     per_step = t.batch_size * world_size * t.grad_accum
     steps = math.ceil(n_conv / per_step) * t.epochs
     train_tokens = n_conv * min(cap, t.max_len) * t.epochs

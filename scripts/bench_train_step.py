@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.config import TrainConfig  # noqa: E402
 from core.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from train.loop import frozen_to_matmul_dtype, make_optimizer, step_options  # noqa: E402
+from train.master_weights import weights_to_bf16  # noqa: E402
 from train.packing import pack  # noqa: E402
 from train.ttt_loss import TTTObjective, teacher_targets  # noqa: E402
 
@@ -127,6 +128,8 @@ def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
     torch._dynamo.reset()  # static-shape graphs for this length
     d = build(s, device)
     frozen_to_matmul_dtype(d, "bf16" if device.type == "cuda" else "no")
+    if overrides.get("bf16_weights"):  # as train/loop.py does under train.bf16_weights
+        weights_to_bf16(d)
     accelerator = Accelerator(mixed_precision="bf16" if device.type == "cuda" else "no", cpu=device.type != "cuda")
     objective = accelerator.prepare(objective_for(d, device, args.ttt, overrides))
     draft_head = (torch.randn(s["draft_vocab"], s["hidden"], device=device) * s["hidden"] ** -0.5).to(
@@ -134,8 +137,9 @@ def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
     x = batch(s, args.batch, t, d, device)
     docs, span = documents(t, args.batch, device) if variant in DOC_VARIANTS else ({}, None)
     params = [p for p in objective.parameters() if p.requires_grad]
-    opt = accelerator.prepare(make_optimizer(params, TrainConfig(lr=1e-5))) if args.with_optimizer else None
-    rec["optimizer"] = "AdamW" if opt else None
+    tc = TrainConfig(lr=1e-5, bf16_weights=bool(overrides.get("bf16_weights")))
+    opt = accelerator.prepare(make_optimizer(params, tc)) if args.with_optimizer else None
+    rec["optimizer"] = type(opt.optimizer).__name__ if opt else None
 
     def step():
         for p in params:
@@ -270,7 +274,8 @@ def main() -> None:
     ap.add_argument("--variants", default="fast,fast_ckpt",
                     help="fast (flex + compile + fused loss: the GPU defaults) | fast_ckpt (+ activation "
                          "checkpointing) | fast_flash (FlashAttention-2 + log-sum-exp merge) | fast_unroll (the K steps as one "
-                         "compiled graph) | fast_unroll_flash (both) | fast_docs (fast on rows of packed documents, train.pack_length; MFU counts "
+                         "compiled graph) | fast_unroll_flash (both) | fast_unroll_bf16w (unroll, bf16 weights: "
+                         "train.bf16_weights) | fast_docs (fast on rows of packed documents, train.pack_length; MFU counts "
                          "the attention they need) | eager (flex + fused loss, no compile) | dense (the CPU path)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ttt", type=int, default=7)
@@ -297,6 +302,7 @@ def main() -> None:
     variants = {"fast": {}, "fast_ckpt": {"activation_checkpointing": True}, "fast_docs": {},
                 "fast_flash": {"attention": "flash"}, "fast_unroll": {"compile": "unroll"},
                 "fast_unroll_flash": {"compile": "unroll", "attention": "flash"},
+                "fast_unroll_bf16w": {"compile": "unroll", "bf16_weights": True},
                 "eager": {"compile": "no"}, "dense": {"attention": "dense", "compile": "no"}}
     if args.smoke:
         seqlens, args.warmup, args.iters = [64], 1, 2

@@ -14,7 +14,7 @@ checkpointing, flash kernel + log-sum-exp merge, one-graph unroll), O1-O4 its on
 number of processes, G1-G5 issue 14's static batched generation loop, P1-P3 data_gen's pool of
 requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
 (core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
-sequence packing (train.pack_length).
+sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights).
 """
 
 from __future__ import annotations
@@ -130,6 +130,16 @@ MUTANTS = [
            "        check_flash(accelerator.device)", "        pass", ("tests/test_train_online.py",)),
     Mutant("F11", "the flash check lets any gradient error through", "train/flash_check.py",
            "    if errors[worst] > LIMIT:", "    if errors[worst] > 100 * LIMIT:", FAST),
+    Mutant("H1", "bf16 weights: the checkpoint loses the fp32 masters (a resume continues from the rounded weights)",
+           "train/master_weights.py", "                m.copy_(saved)", "                pass", ("tests/test_master_weights.py",)),
+    Mutant("H2", "bf16 weights: the masters step but are never written back to the weights",
+           "train/master_weights.py", "            p.copy_(m)", "            pass", ("tests/test_master_weights.py",)),
+    Mutant("H3", "train.bf16_weights trains with plain AdamW on the bf16 weights", "train/loop.py",
+           "optimizer = MasterWeightAdamW if tc.bf16_weights else torch.optim.AdamW",
+           "optimizer = torch.optim.AdamW", ("tests/test_master_weights.py",)),
+    Mutant("H4", "the loop's learning rate never reaches the masters' AdamW", "train/master_weights.py",
+           "            inner.update({k: v for k, v in outer.items() if k != \"params\"})  # the lr the loop set",
+           "            pass", ("tests/test_master_weights.py",)),
     Mutant("F5", "flash TTT attention: the causal part is not rescaled by the merged log-sum-exp",
            "train/ttt_attention.py", "out = out0.float() * (lse0 - lse).exp()[..., None]", "out = out0.float()", FAST),
     Mutant("F6", "flash TTT attention's backward drops the diagonal keys' share of dq", "train/ttt_attention.py",

@@ -162,6 +162,8 @@ def test_train_memory_estimate_matches_the_h200_measurements_and_grows_with_batc
             assert abs(without_adam - gib) / gib < 0.1, (t, checkpointing, without_adam, gib)
     base = train_memory(dc, 400_000_000, 2, 2048, 7, True)
     assert base["weights, grads, AdamW"] == 18 * 400_000_000  # fp32 x 4 + the bf16 autocast copies
+    masters = train_memory(dc, 400_000_000, 2, 2048, 7, True, bf16_weights=True)  # bf16 x 2 + fp32 masters x 3
+    assert masters["weights, grads, AdamW"] == 16 * 400_000_000
     assert train_memory(dc, 400_000_000, 4, 2048, 7, True)["activations"] > base["activations"]
     assert train_memory(dc, 400_000_000, 2, 2048, 3, True)["activations"] < base["activations"]
 

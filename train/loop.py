@@ -34,6 +34,7 @@ from train.data import ShardSource, aux_rms
 from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
 from train.fit import Fit, fit
 from train.flash_check import check_flash
+from train.master_weights import MasterWeightAdamW, weights_to_bf16
 from train.online import OnlineSource
 from train.plots import plot_curves
 from train.position import accum_for
@@ -144,9 +145,10 @@ def step_options(tc, device: torch.device) -> dict:
 
 
 def make_optimizer(params: list[torch.Tensor], tc) -> torch.optim.Optimizer:
-    """AdamW over the trainable weights (fp32 masters: they are the parameters; scripts/bench_train_step.py
-    --with-optimizer times the same one)."""
-    return torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    """AdamW over the trainable weights: they are the fp32 masters, or (train.bf16_weights) bf16 weights whose
+    masters the optimizer keeps (scripts/bench_train_step.py --with-optimizer times the same one)."""
+    optimizer = MasterWeightAdamW if tc.bf16_weights else torch.optim.AdamW
+    return optimizer(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
 
 
 def open_run(cfg: RunConfig, accelerator: Accelerator, source, fresh: bool):
@@ -195,6 +197,12 @@ def main(cfg: RunConfig, fresh: bool = False) -> Path:
 def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool) -> Path:
     tc = cfg.train
     out, precision = cfg.run_path / "drafter", accelerator.mixed_precision
+    if tc.bf16_weights and precision != "bf16":
+        raise UserError(f"train.bf16_weights = true needs bf16 training: train.mixed_precision resolved to "
+                        f"{precision!r} here; set train.mixed_precision=bf16 or train.bf16_weights=false")
+    if tc.bf16_weights and accelerator.state.deepspeed_plugin is not None:
+        raise UserError("train.bf16_weights = true: DeepSpeed keeps its own fp32 masters of bf16 weights; "
+                        "set train.bf16_weights=false under DeepSpeed")
     source = SOURCES[tc.source](cfg, accelerator.device)
     settings, runtime = open_run(cfg, accelerator, source, fresh)
     accelerator.wait_for_everyone()
@@ -210,6 +218,8 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     with torch.no_grad():
         drafter.aux_scale.copy_(fc_input_rms)
     frozen_to_matmul_dtype(drafter, precision)
+    if tc.bf16_weights:
+        weights_to_bf16(drafter)
     raw_rms = raw_rms.to(accelerator.device)
     matmul_dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # bf16 is ~2.7x faster where native
     ds = source.dataset(target, matmul_dtype, tc.loss_on_prompt)
