@@ -14,7 +14,8 @@ checkpointing, flash kernel + log-sum-exp merge, one-graph unroll), O1-O4 its on
 number of processes, G1-G5 issue 14's static batched generation loop, P1-P3 data_gen's pool of
 requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
 (core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
-sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights).
+sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights),
+E1 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter).
 """
 
 from __future__ import annotations
@@ -140,6 +141,9 @@ MUTANTS = [
     Mutant("H4", "the loop's learning rate never reaches the masters' AdamW", "train/master_weights.py",
            "            inner.update({k: v for k, v in outer.items() if k != \"params\"})  # the lr the loop set",
            "            pass", ("tests/test_master_weights.py",)),
+    Mutant("E1", "drafter_accuracy scores against the wrong teacher (the first aux layer, not the final hidden state)",
+           "scripts/drafter_accuracy.py", 'teacher_argmax(s["final"].float(), target.lm_head)',
+           'teacher_argmax(s["aux"][:, : s["final"].shape[-1]].float(), target.lm_head)', ("tests/test_tau_probe.py",)),
     Mutant("F5", "flash TTT attention: the causal part is not rescaled by the merged log-sum-exp",
            "train/ttt_attention.py", "out = out0.float() * (lse0 - lse).exp()[..., None]", "out = out0.float()", FAST),
     Mutant("F6", "flash TTT attention's backward drops the diagonal keys' share of dq", "train/ttt_attention.py",

@@ -11,6 +11,7 @@ from core.chat import eval_prompt_ids
 from core.drafter import Eagle3Drafter
 from core.target import load_target_embeddings, load_tokenizer, target_info
 from eval.run import hf_eval
+from tests.conftest import ROOT
 from train.tau_probe import TauProbe
 
 
@@ -46,3 +47,30 @@ def test_tau_probe_equals_evals_engine_on_the_exported_drafter(overfit_tiny):
     assert tau == summary["acceptance_length"] and tau > 1.5, (tau, summary["acceptance_length"])
     final = read_jsonl(run_dir / "train/metrics.jsonl")[-1]
     assert final["tau"] == TauProbe(cfg)(drafter)
+
+
+def test_teacher_forced_accuracy_of_the_exported_drafter_agrees_with_training(overfit_tiny, tmp_path):
+    """scripts/drafter_accuracy.py scores the drafter as an engine loads it: on the samples it memorised, its
+    acc_k are those training logged at the end (the exported bf16 weights vs the training ones, last window);
+    the same drafter with fc and its layer re-initialised scores far below, so the figure is the drafter's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("drafter_accuracy", ROOT / "scripts/drafter_accuracy.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    cfg, run_dir, _, _ = overfit_tiny
+    steps = cfg.train.ttt_steps
+    r = script.teacher_forced_accuracy(cfg, run_dir / "drafter", steps)
+    final = read_jsonl(run_dir / "train/metrics.jsonl")[-1]
+    assert r["rows"][0] > 100 and len(r["acc"]) == steps
+    for k in range(steps):
+        assert abs(r["acc"][k] - final[f"acc_{k}"]) < 0.05, (k, r["acc"], final)
+    assert r["acc"][0] > 0.5 and 1 < r["implied_tau"] <= steps + 1
+    info = target_info(cfg)
+    drafter = Eagle3Drafter.from_pretrained(run_dir / "drafter", load_target_embeddings(cfg).embed, info.model_type,
+                                            info.num_layers)
+    torch.manual_seed(0)
+    for p in [*drafter.fc.parameters(), *drafter.midlayer.parameters()]:
+        torch.nn.init.normal_(p, std=0.02)
+    drafter.save_pretrained(tmp_path / "untrained")
+    assert script.teacher_forced_accuracy(cfg, tmp_path / "untrained", steps)["acc"][0] < r["acc"][0] - 0.5
