@@ -27,8 +27,8 @@ from core.drafter import Eagle3Drafter  # noqa: E402
 from core.errors import UserError  # noqa: E402
 from core.hidden_shards import HiddenShards  # noqa: E402
 from core.target import load_target_embeddings, target_info  # noqa: E402
-from train.data import collate  # noqa: E402
-from train.ttt_loss import teacher_argmax, teacher_targets, ttt_loss  # noqa: E402
+from train.data import ShardDataset, collate, precompute_argmax  # noqa: E402
+from train.ttt_loss import teacher_targets, ttt_loss  # noqa: E402
 
 
 @torch.no_grad()
@@ -37,14 +37,11 @@ def teacher_forced_accuracy(cfg: RunConfig, draft_dir: Path, steps: int, batch: 
     target, info = load_target_embeddings(cfg), target_info(cfg)
     drafter = Eagle3Drafter.from_pretrained(draft_dir, target.embed, info.model_type, info.num_layers).eval()
     draft_head = target.lm_head[drafter.t2d.nonzero().flatten()]
-    shards = HiddenShards(cfg.run_path / "hidden")
+    shards, max_len = HiddenShards(cfg.run_path / "hidden"), cfg.train.max_len  # samples as training reads them
+    ds = ShardDataset(shards, shards.ids, max_len, {"argmax": precompute_argmax(shards, target.lm_head, max_len, False)})
     correct, count = torch.zeros(steps), torch.zeros(steps)
-    for i in range(0, len(shards.ids), batch):
-        samples = []
-        for sid in shards.ids[i:i + batch]:
-            s = shards.load(sid)
-            samples.append({"id": sid, **s, "argmax": teacher_argmax(s["final"].float(), target.lm_head)})
-        b = collate(samples)
+    for i in range(0, len(ds), batch):
+        b = collate([ds[j] for j in range(i, min(i + batch, len(ds)))])
         teacher = teacher_targets(b["final"], b["loss_mask"], draft_head, drafter.t2d, b["argmax"])
         _, sums = ttt_loss(drafter, b["aux"], b["input_ids"], b["loss_mask"], teacher, steps, 1.0)
         correct, count = correct + sums["correct"], count + sums["count"]
