@@ -94,10 +94,11 @@ def set_threads(threads: int) -> int:
     process holds lose whole time slices, while on an idle machine every core pays (docs/PERFORMANCE.md)."""
     import torch
 
+    env = env_threads()
     if threads:
         n, why = threads, "threads"
-    elif env_threads():
-        n, why = env_threads(), "$OMP_NUM_THREADS"
+    elif env:
+        n, why = env, "$OMP_NUM_THREADS"
     else:
         idle = idle_cores()
         n = max(1, min(torch.get_num_threads(), idle if idle is not None else torch.get_num_threads()))

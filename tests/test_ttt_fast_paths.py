@@ -200,7 +200,7 @@ def test_unrolled_compile_gives_the_reference_loss_and_gradients(monkeypatch, at
     from train import ttt_loss as module
 
     counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(module, "_compiled", lambda fn: torch.compile(fn, backend=counter))
+    monkeypatch.setattr(module, "compiled", lambda fn: torch.compile(fn, backend=counter))
     assert_trains_like_the_reference(drafter(), 3, {"compile": "unroll", "loss_chunk": 7, "attention": attention})
     assert counter.frame_count == 1  # the three steps became one graph (flash's kernels and merge inside it), and it ran
 

@@ -182,11 +182,12 @@ def diagonal_grads(q, out, lse, dout, keys, values):
 
 
 @functools.cache
-def _fused(fn):
-    """fn through torch.compile: one pass over each tensor instead of one per op (the callers use it on CUDA;
-    CPU runs the plain functions)."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one graph per step k
-    return torch.compile(fn, dynamic=False)
+def compiled(fn, dynamic: bool | None = None):
+    """torch.compile(fn), once per function: the TTT step and unroll (train/ttt_loss.py) and, on CUDA, the
+    diagonal merge below (one pass over each tensor instead of one per op; CPU runs the plain functions)."""
+    # one graph per step k (k earlier keys) and shape family: more than dynamo's default limit of 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(fn, dynamic=dynamic)
 
 
 class _MergedAttention(torch.autograd.Function):
@@ -198,7 +199,7 @@ class _MergedAttention(torch.autograd.Function):
         rep, scale = q.shape[1] // keys[0].shape[1], q.shape[-1] ** -0.5
         fwd, _ = _causal_kernel(q.device.type)
         out0, lse0, state = fwd(q, _expand(keys[0], rep), _expand(values[0], rep), scale)
-        merge = _fused(merge_diagonal) if q.is_cuda else merge_diagonal
+        merge = compiled(merge_diagonal, dynamic=False) if q.is_cuda else merge_diagonal
         out, lse = merge(q, out0, lse0, tuple(keys[1:]), tuple(values[1:]))
         ctx.save_for_backward(q, out, lse, *kv)
         ctx.state, ctx.rep, ctx.scale = state, rep, scale
@@ -215,7 +216,7 @@ class _MergedAttention(torch.autograd.Function):
         dq, dk0, dv0 = bwd(dout, q, _expand(keys[0], rep), _expand(values[0], rep), out, lse, ctx.state, scale)
         dkeys, dvalues = [_fold(dk0, rep)], [_fold(dv0, rep)]
         if n > 1:
-            grads = _fused(diagonal_grads) if q.is_cuda else diagonal_grads
+            grads = compiled(diagonal_grads, dynamic=False) if q.is_cuda else diagonal_grads
             dq_diag, dk, dv = grads(q, out, lse, dout, tuple(keys[1:]), tuple(values[1:]))
             dq, dkeys, dvalues = (dq.float() + dq_diag).to(q.dtype), dkeys + list(dk), dvalues + list(dv)
         return dq, *dkeys, *dvalues

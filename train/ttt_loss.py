@@ -23,6 +23,7 @@ from core.drafter import Eagle3Drafter
 from core.hidden_shards import teacher_positions
 from train.draft_head_loss import draft_head_loss
 from train.ttt_attention import (
+    compiled,
     dense_ttt_attention,
     flex_ttt_attention,
     merged_ttt_attention,
@@ -84,14 +85,6 @@ def ttt_step(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, at
     else:
         attn = dense_ttt_attention(q, keys, values, doc_ids)
     return drafter.finish(attn, residual), k, v
-
-
-@functools.cache
-def _compiled(fn):
-    """torch.compile(fn), once per function (ttt_step, ttt_unroll)."""
-    # one graph per step k (k earlier keys) and shape family: more than dynamo's default limit of 8
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(fn)
 
 
 @functools.lru_cache(maxsize=64)
@@ -156,9 +149,9 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
                        _block_mask(tp, k + 1, aux.device) for k in range(steps)]
     args = (drafter, aux, input_ids, positions, steps, attention, tuple(block_masks), doc_ids, checkpoint)
     if compile == "unroll":
-        hiddens = _compiled(ttt_unroll)(*args)
+        hiddens = compiled(ttt_unroll)(*args)
     else:
-        hiddens = ttt_unroll(*args, step_fn=_compiled(ttt_step) if compile else ttt_step)
+        hiddens = ttt_unroll(*args, step_fn=compiled(ttt_step) if compile else ttt_step)
     xs, rows = [], []
     for k, hidden in enumerate(hiddens):
         bi, ti = where[k]
