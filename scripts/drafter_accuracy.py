@@ -26,6 +26,7 @@ from core.config import RunConfig, load_config  # noqa: E402
 from core.drafter import Eagle3Drafter  # noqa: E402
 from core.errors import UserError  # noqa: E402
 from core.hidden_shards import HiddenShards  # noqa: E402
+from core.manifest import check_compat, read_manifest  # noqa: E402
 from core.target import load_target_embeddings, target_info  # noqa: E402
 from train.data import ShardDataset, collate, precompute_argmax  # noqa: E402
 from train.ttt_loss import teacher_targets, ttt_loss  # noqa: E402
@@ -38,6 +39,9 @@ def teacher_forced_accuracy(cfg: RunConfig, draft_dir: Path, steps: int, batch: 
     drafter = Eagle3Drafter.from_pretrained(draft_dir, target.embed, info.model_type, info.num_layers).eval()
     draft_head = target.lm_head[drafter.t2d.nonzero().flatten()]
     shards, max_len = HiddenShards(cfg.run_path / "hidden"), cfg.train.max_len  # samples as training reads them
+    # features of other layers or another target would score the drafter on inputs it never sees: refuse
+    check_compat(read_manifest(shards.dir, "extract"), {"target": cfg.target.model,
+                                                         "aux_layers": list(drafter.config.aux_layers)}, shards.dir)
     ds = ShardDataset(shards, shards.ids, max_len, {"argmax": precompute_argmax(shards, target.lm_head, max_len, False)})
     correct, count = torch.zeros(steps), torch.zeros(steps)
     for i in range(0, len(ds), batch):

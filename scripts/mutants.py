@@ -15,7 +15,7 @@ number of processes, G1-G5 issue 14's static batched generation loop, P1-P3 data
 requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
 (core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
 sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights),
-E1 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter).
+E1-E2 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter).
 """
 
 from __future__ import annotations
@@ -144,6 +144,8 @@ MUTANTS = [
     Mutant("E1", "drafter_accuracy feeds each sample's features misaligned with its tokens",
            "scripts/drafter_accuracy.py", 'ttt_loss(drafter, b["aux"],', 'ttt_loss(drafter, b["aux"].flip(1),',
            ("tests/test_tau_probe.py",)),
+    Mutant("E2", "drafter_accuracy scores features of other aux layers than the drafter's", "scripts/drafter_accuracy.py",
+           '"aux_layers": list(drafter.config.aux_layers)}', "}", ("tests/test_tau_probe.py",)),
     Mutant("F5", "flash TTT attention: the causal part is not rescaled by the merged log-sum-exp",
            "train/ttt_attention.py", "out = out0.float() * (lse0 - lse).exp()[..., None]", "out = out0.float()", FAST),
     Mutant("F6", "flash TTT attention's backward drops the diagonal keys' share of dq", "train/ttt_attention.py",

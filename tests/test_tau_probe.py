@@ -2,13 +2,17 @@
 equal to what eval's engine measures on the exported drafter with the same prompts, K and length."""
 
 import dataclasses
+import json
+import shutil
 
 import matplotlib.image
+import pytest
 import torch
 
 from core.atomic_io import read_jsonl
 from core.chat import eval_prompt_ids
 from core.drafter import Eagle3Drafter
+from core.errors import UserError
 from core.target import load_target_embeddings, load_tokenizer, target_info
 from eval.run import hf_eval
 from tests.conftest import ROOT
@@ -74,3 +78,12 @@ def test_teacher_forced_accuracy_of_the_exported_drafter_agrees_with_training(ov
         torch.nn.init.normal_(p, std=0.02)
     drafter.save_pretrained(tmp_path / "untrained")
     assert script.teacher_forced_accuracy(cfg, tmp_path / "untrained", steps)["acc"][0] < r["acc"][0] - 0.5
+    # features of other aux layers would score garbage with exit 0: refused, naming the shards' manifest
+    shutil.copytree(run_dir / "hidden", tmp_path / "other/hidden")
+    manifest = tmp_path / "other/hidden/manifest.json"
+    m = json.loads(manifest.read_text())
+    m["compat"]["aux_layers"] = [0, 1, 2]
+    manifest.write_text(json.dumps(m))
+    with pytest.raises(UserError, match=r"other/hidden/manifest.json: aux_layers = \[0, 1, 2\] but this run expects"):
+        script.teacher_forced_accuracy(dataclasses.replace(cfg, run_dir=str(tmp_path / "other")), run_dir / "drafter",
+                                       steps)

@@ -42,7 +42,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             p.copy_(m)
 
     def state_dict(self) -> dict:
-        return {"inner": self.inner.state_dict(), "masters": [m.clone() for m in self.masters]}
+        return {"inner": self.inner.state_dict(), "masters": list(self.masters)}  # references, as torch's own
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.inner.load_state_dict(state_dict["inner"])
