@@ -23,10 +23,11 @@ samples packed as one row of two documents (`fast_packed`, train.pack_length). C
 attention has no CPU backward. The flash path (FlashAttention-2 + log-sum-exp merge) has no fp32 kernel on
 CUDA, so a second record compares it and flex with the dense path, all three under bf16 autocast
 (its math is held to the dense path at 1e-5 in fp32 by tests/test_ttt_fast_paths.py, on PyTorch's CPU
-flash kernel), and a third the attention alone in bf16 against an fp32 dense reference. SpecForge's harness (if given) runs first, one subprocess per length. Each length, ours
-and SpecForge's, starts from a fresh torch.compile cache, so its graphs are static-shape, as a run of packed
-rows of one length is (SpecForge's harness alone reuses its first length's graphs as dynamic-shape ones:
-19.9k tok/s at 2048 after 8192 vs 22.4k when 2048 comes first).
+flash kernel), and a third the attention alone in bf16 against an fp32 dense reference. SpecForge's harness
+(if given) runs one subprocess per length, just before ours at that length, so a run cut short leaves whole
+pairs. Each length, ours and SpecForge's, starts from a fresh torch.compile cache, so its graphs are
+static-shape, as a run of packed rows of one length is (SpecForge's harness alone reuses its first length's
+graphs as dynamic-shape ones: 19.9k tok/s at 2048 after 8192 vs 22.4k when 2048 comes first).
 
 --with-optimizer times the whole training step on both sides instead: ours adds train/loop.py's AdamW
 after Accelerate's gradient-norm clip at 0.5 (fit.py's order); SpecForge's (scripts/specforge_full_step.py)
@@ -303,6 +304,7 @@ def main() -> None:
                 "fast_flash": {"attention": "flash"}, "fast_unroll": {"compile": "unroll"},
                 "fast_unroll_flash": {"compile": "unroll", "attention": "flash"},
                 "fast_unroll_bf16w": {"compile": "unroll", "bf16_weights": True},
+                "fast_unroll_flash_bf16w": {"compile": "unroll", "attention": "flash", "bf16_weights": True},
                 "eager": {"compile": "no"}, "dense": {"attention": "dense", "compile": "no"}}
     if args.smoke:
         seqlens, args.warmup, args.iters = [64], 1, 2
@@ -316,21 +318,25 @@ def main() -> None:
             with open(args.out, "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
-    if args.specforge_wheel:
+    def specforge(t: int) -> None:  # its own process per length: static-shape graphs, as ours get
         sf_out = Path(args.out or "/tmp/bench_train_step.jsonl").with_suffix(".specforge.jsonl")
         sf_out.unlink(missing_ok=True)
-        for t in seqlens:  # one process per length: static-shape graphs, as ours get (dynamo reset per length)
-            cmd = ([str(Path(__file__).with_name("specforge_full_step.py")), "--harness", args.specforge_harness,
-                    "--seq-len", str(t), "--warmup", str(args.warmup), "--iters", str(args.iters)]
-                   if args.with_optimizer else
-                   [args.specforge_harness, "--configs", f"flex_attention:{t}", "--measure-peak"])
-            subprocess.run([sys.executable, *cmd, "--wheel", args.specforge_wheel, "--out", str(sf_out)], check=False)
+        cmd = ([str(Path(__file__).with_name("specforge_full_step.py")), "--harness", args.specforge_harness,
+                "--seq-len", str(t), "--warmup", str(args.warmup), "--iters", str(args.iters)]
+               if args.with_optimizer else
+               [args.specforge_harness, "--configs", f"flex_attention:{t}", "--measure-peak"])
+        subprocess.run([sys.executable, *cmd, "--wheel", args.specforge_wheel, "--out", str(sf_out)], check=False)
         for line in sf_out.read_text().splitlines() if sf_out.exists() else []:
             emit({"impl": "specforge", **json.loads(line)})
+        if not sf_out.exists():
+            emit({"impl": "specforge", "seq_len": t, "error": "no record (see its output above)"})
+
     if args.parity and device.type == "cuda":
         for rec in parity(args, device):
             emit(rec)
-    for t in seqlens:
+    for t in seqlens:  # length by length, SpecForge then ours: a run cut short still leaves whole pairs
+        if args.specforge_wheel:
+            specforge(t)
         for name in args.variants.split(",") if not args.smoke else variants:
             try:
                 emit(bench(args, s, t, name, variants[name], device))

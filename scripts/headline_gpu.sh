@@ -10,6 +10,8 @@
 #           PACK=1 scripts/headline_gpu.sh wait      # the last: whatever is done goes to $OUT
 # Data accumulates over sessions: `pack` takes the conversations too; unpacked here into .gpurun/c, a
 # third carry's `restore` puts them back before `start`, and data_gen continues where they end.
+# Issue 13's training-step benchmark the same way (one command, past the 10 min a device command may run):
+#   device: PIPELINE=train-step VARIANTS=fast_unroll,fast_unroll_flash scripts/headline_gpu.sh start wait  # carry .carry
 # Or phase by phase, each in the foreground: generate, train, eval, bench, results.
 # The tree travels with every command and results/ holds a tracked drafter (29 MB): for the session, take it
 # out of what travels (`git rm -q --cached results/*/drafter/model.safetensors` and add that path to
@@ -88,6 +90,7 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     PHASE_S=$(( ${TRAIN_S:-480} * 2 )) bounded train --config $CFG --run-dir $RUN train.epochs=$EPOCHS ${TRAIN_ARGS:-} ;;
   start)  # the rest of the run in the background, from a copy of the code (a later command's sync can't touch it)
     rm -rf $S/code $S/done && mkdir -p $S/code $S/logs && cp -r core data_gen extract train eval scripts configs $S/code/
+    if [ -d .carry ]; then cp -r .carry $S/code/; fi  # train-step's SpecForge wheel and harness
     (set +e; cd $S/code && STASH=$S setsid nohup bash scripts/headline_gpu.sh ${PIPELINE:-generate-for train-for results \
        eval results bench results} > $S/logs/pipeline.log 2>&1 < /dev/null; echo "rc $?" > $S/done) > /dev/null 2>&1 &
     echo "pipeline started (log: $S/logs/pipeline.log)" ;;
@@ -101,6 +104,11 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     done
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader || true
     if [ -n "${PACK:-}" ]; then exec "$0" pack; fi ;;
+  train-step)  # issue 13's one command: our training step beside SpecForge's at each length (carry .carry)
+    mkdir -p $S/logs
+    "$PY" scripts/bench_train_step.py --seqlens ${SEQLENS:-2048,4096,8192,16384} --variants ${VARIANTS:-fast_unroll} \
+      --warmup 2 --iters 5 --specforge-wheel .carry/specforge-0.2.0-py3-none-any.whl \
+      --specforge-harness .carry/specforge_step.py --out $S/logs/train_step.jsonl ${STEP_ARGS:-} 2>&1 | tee $S/logs/train_step.log ;;
   bench-first)  # decode at data_gen's real context lengths (the grouped decode attention), extraction on real weights
     mkdir -p $S/logs
     timeout 300 "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch 256 512 \
@@ -136,6 +144,6 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     ls -la "$OUT" ;;
   results)  # a marker in the pipeline's log: what `pack` would take is complete up to here
     echo "== results ready: $(ls $RUN/drafter $RUN/evals 2>/dev/null | tr '\n' ' ')" ;;
-  *) echo "unknown phase $phase (pack-inputs stash setup restore bench-first generate generate-for train train-for start wait bench eval results pack)" >&2; exit 2 ;;
+  *) echo "unknown phase $phase (pack-inputs stash setup restore train-step bench-first generate generate-for train train-for start wait bench eval results pack)" >&2; exit 2 ;;
   esac
 done
