@@ -224,7 +224,7 @@ def parity(args, device) -> dict:
     return recs
 
 
-def flash_attention_alone(device) -> dict:
+def flash_attention_alone(device, kernel: str = "flash") -> dict:
     """The flash TTT attention by itself in bf16 (the 8B shape's 32/8 heads at T=1024, and the parity's shape: batch
     2, 4/2 heads, T=300, d=64; steps 1-4) against the dense path in fp32 on the same bf16 inputs: relative error of
     the output and of each input's gradient, the worst per case. Inputs are transposed [B,T,n,d] views, as the
@@ -241,10 +241,56 @@ def flash_attention_alone(device) -> dict:
         weight = torch.randn(b, nh, t, d, device=device, generator=g)
         results = []
         for out in (dense_ttt_attention(qt.float(), [k.float() for k in kt], [v.float() for v in vt]),
-                    merged_ttt_attention(qt, kt, vt)):
+                    merged_ttt_attention(qt, kt, vt, kernel)):
             results.append((out.detach(), *torch.autograd.grad((out.float() * weight).sum(), [q, *keys, *values])))
         worst[f"B{b} {nh}/{nkv} heads T{t} d{d} steps {steps}"] = max(float((b.float() - a.float()).norm() / a.float().norm()) for a, b in zip(*results, strict=True))
-    return {"kind": "flash_attention_alone_bf16", "rel_max": worst}
+    return {"kind": "flash_attention_alone_bf16", "kernel": kernel, "rel_max": worst}
+
+
+def attention_alone(args, s: dict, device) -> list[dict]:
+    """The K attention calls of one unroll by themselves (forward + backward, bf16, the 8B shape's heads, q/k/v
+    as the step's transposed views) per kernel: flex with the TTT block mask, the merged causal kernel with
+    FlashAttention-2 or cuDNN; and each merged kernel's accuracy against fp32 dense (flash_attention_alone)."""
+    from train.ttt_attention import flex_ttt_attention, merged_ttt_attention, ttt_block_mask
+
+    recs = []
+    for kernel in ("flash", "cudnn"):
+        try:
+            recs.append(flash_attention_alone(device, kernel))
+        except Exception as e:  # noqa: BLE001 -- a kernel this GPU or torch lacks must not cost the others' figures
+            recs.append({"kind": "flash_attention_alone_bf16", "kernel": kernel, "error": f"{type(e).__name__}: {e}"[:400]})
+    nh, nkv, d = s["heads"], s["kv_heads"], s["head_dim"]
+    for t, kernel in itertools.product(args.seqlens, ("flex", "flash", "cudnn")):
+        torch._dynamo.reset()
+        masks = [ttt_block_mask(t, k, device) for k in range(1, args.ttt + 1)] if kernel == "flex" else None
+        q = torch.randn(1, t, nh, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+        kv = [torch.randn(1, t, nkv, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+              for _ in range(2 * args.ttt)]
+
+        def unroll(q=q, kv=kv, masks=masks, kernel=kernel):
+            for k in range(1, args.ttt + 1):
+                keys = [x.transpose(1, 2) for x in kv[:k]]
+                values = [x.transpose(1, 2) for x in kv[args.ttt:args.ttt + k]]
+                out = (flex_ttt_attention(q.transpose(1, 2), keys, values, masks[k - 1]) if kernel == "flex"
+                       else merged_ttt_attention(q.transpose(1, 2), keys, values, kernel))
+                out.backward(torch.ones_like(out))
+            torch.cuda.synchronize()
+
+        rec = {"kind": "attention_alone", "kernel": kernel, "seq_len": t, "ttt": args.ttt}
+        try:
+            t0 = time.perf_counter()
+            unroll()
+            rec["first_s"] = round(time.perf_counter() - t0, 1)
+            times = []
+            for _ in range(args.iters):
+                t0 = time.perf_counter()
+                unroll()
+                times.append(time.perf_counter() - t0)
+            rec["ms"] = round(statistics.median(times) * 1e3, 2)
+        except Exception as e:  # noqa: BLE001 -- a kernel this GPU or torch lacks must not cost the others' figures
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        recs.append(rec)
+    return recs
 
 
 def compare(d: Eagle3Drafter, device, paths: dict, kind: str) -> dict:
@@ -294,6 +340,8 @@ def main() -> None:
     ap.add_argument("--with-optimizer", action="store_true",
                     help="time whole training steps: + AdamW (ours) / BF16Optimizer (SpecForge's), see above")
     ap.add_argument("--out", default=None, help="append one JSON line per record")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="time the K attention calls alone per kernel (flex, flash, cudnn) at --seqlens, and stop")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks this script runs")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -331,6 +379,11 @@ def main() -> None:
         if not sf_out.exists():
             emit({"impl": "specforge", "seq_len": t, "error": "no record (see its output above)"})
 
+    args.seqlens = seqlens
+    if args.attention_only:
+        for rec in attention_alone(args, s, device):
+            emit(rec)
+        return
     if args.parity and device.type == "cuda":
         for rec in parity(args, device):
             emit(rec)
@@ -338,16 +391,22 @@ def main() -> None:
         if args.specforge_wheel:
             specforge(t)
         for name in args.variants.split(",") if not args.smoke else variants:
-            try:
-                emit(bench(args, s, t, name, variants[name], device))
-            except torch.OutOfMemoryError as e:
-                emit({"impl": "eagle3", "variant": name, "seq_len": t, "error": "OOM", "detail": str(e)[:200]})
-            except Exception as e:  # noqa: BLE001 -- one variant's failure (a compile error, say) must not cost the others' figures
-                emit({"impl": "eagle3", "variant": name, "seq_len": t, "error": type(e).__name__, "detail": str(e)[:300]})
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            emit(bench_or_error(args, s, t, name, variants[name], device))
     print_table(records)
+
+
+def bench_or_error(args, s: dict, t: int, name: str, overrides: dict, device) -> dict:
+    """One variant's record, or its error: one variant's failure (OOM, a compile error) must not cost the others'."""
+    try:
+        return bench(args, s, t, name, overrides, device)
+    except torch.OutOfMemoryError as e:
+        return {"impl": "eagle3", "variant": name, "seq_len": t, "error": "OOM", "detail": str(e)[:200]}
+    except Exception as e:  # noqa: BLE001 -- see the docstring
+        return {"impl": "eagle3", "variant": name, "seq_len": t, "error": type(e).__name__, "detail": str(e)[:300]}
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def print_table(records: list[dict]) -> None:

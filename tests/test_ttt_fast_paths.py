@@ -81,7 +81,7 @@ def test_flash_attention_takes_the_steps_transposed_views_as_contiguous_copies(m
     and the gradients must still reach the views' leaves."""
     real, seen = ttt_attention._MergedAttention.apply, []
     monkeypatch.setattr(ttt_attention._MergedAttention, "apply",
-                        lambda *xs: seen.append(all(x.is_contiguous() for x in xs)) or real(*xs))
+                        lambda kernel, *xs: seen.append(all(x.is_contiguous() for x in xs)) or real(kernel, *xs))
     g = torch.Generator().manual_seed(3)
     leaves = [torch.randn(2, 37, n, 16, generator=g, requires_grad=True) for n in (4, 2, 2, 2, 2)]
     q, k0, k1, v0, v1 = (x.transpose(1, 2) for x in leaves)

@@ -109,9 +109,10 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _causal_kernel(device_type: str):
+def _causal_kernel(device_type: str, kernel: str = "flash"):
     """-> (forward(q, k, v, scale) -> (out, lse [B,nh,T] fp32, state), backward(dout, q, k, v, out, lse, state,
-    scale) -> (dq, dk, dv)): a causal flash kernel whose backward takes any (out, lse) pair."""
+    scale) -> (dq, dk, dv)): a causal kernel whose backward takes any (out, lse) pair. kernel (CUDA): "flash"
+    (FlashAttention-2) or "cudnn" (cuDNN's fused attention: its log-sum-exp is [B,nh,T,1], natural log)."""
     aten = torch.ops.aten
     if device_type == "cpu":
         def forward(q, k, v, scale):
@@ -121,6 +122,17 @@ def _causal_kernel(device_type: str):
         def backward(dout, q, k, v, out, lse, state, scale):
             return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, True,
                                                                              scale=scale)
+        return forward, backward
+    if kernel == "cudnn":
+        def forward(q, k, v, scale):  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset, debug)
+            r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+            return r[0], r[1].squeeze(-1), r[2:8]
+
+        def backward(dout, q, k, v, out, lse, state, scale):
+            cum_q, cum_k, max_q, max_k, seed, offset = state
+            return aten._scaled_dot_product_cudnn_attention_backward(
+                dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k,
+                0.0, True, scale=scale)
         return forward, backward
 
     def forward(q, k, v, scale):  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug)
@@ -192,17 +204,17 @@ def compiled(fn, dynamic: bool | None = None):
 
 class _MergedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, *kv):
+    def forward(ctx, kernel, q, *kv):
         """q [B,nh,T,d]; kv = k_0..k_s, v_0..v_s (each [B,nkv,T,d]) -> [B,nh,T,d]."""
         n = len(kv) // 2
         keys, values = kv[:n], kv[n:]
         rep, scale = q.shape[1] // keys[0].shape[1], q.shape[-1] ** -0.5
-        fwd, _ = _causal_kernel(q.device.type)
+        fwd, _ = _causal_kernel(q.device.type, kernel)
         out0, lse0, state = fwd(q, _expand(keys[0], rep), _expand(values[0], rep), scale)
         merge = compiled(merge_diagonal, dynamic=False) if q.is_cuda else merge_diagonal
         out, lse = merge(q, out0, lse0, tuple(keys[1:]), tuple(values[1:]))
         ctx.save_for_backward(q, out, lse, *kv)
-        ctx.state, ctx.rep, ctx.scale = state, rep, scale
+        ctx.state, ctx.rep, ctx.scale, ctx.kernel = state, rep, scale, kernel
         return out
 
     @staticmethod
@@ -211,7 +223,7 @@ class _MergedAttention(torch.autograd.Function):
         n = len(kv) // 2
         keys, values = kv[:n], kv[n:]
         rep, scale = ctx.rep, ctx.scale
-        _, bwd = _causal_kernel(q.device.type)
+        _, bwd = _causal_kernel(q.device.type, ctx.kernel)
         dout = dout.contiguous()
         dq, dk0, dv0 = bwd(dout, q, _expand(keys[0], rep), _expand(values[0], rep), out, lse, ctx.state, scale)
         dkeys, dvalues = [_fold(dk0, rep)], [_fold(dv0, rep)]
@@ -219,13 +231,14 @@ class _MergedAttention(torch.autograd.Function):
             grads = compiled(diagonal_grads, dynamic=False) if q.is_cuda else diagonal_grads
             dq_diag, dk, dv = grads(q, out, lse, dout, tuple(keys[1:]), tuple(values[1:]))
             dq, dkeys, dvalues = (dq.float() + dq_diag).to(q.dtype), dkeys + list(dk), dvalues + list(dv)
-        return dq, *dkeys, *dvalues
+        return None, dq, *dkeys, *dvalues
 
 
-def merged_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def merged_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                         kernel: str = "flash") -> torch.Tensor:
     """`dense_ttt_attention` without doc_ids, any T, through a causal flash kernel plus the diagonal terms.
     Inputs made contiguous first: on an H200, q/k/v as the step makes them (transposed [B,T,n,d] views) gave
     outputs and gradients 10-100% off from step 2 on, contiguous copies 0.4% (bf16; docs/PERFORMANCE.md).
     torch.compile traces it (the autograd.Function and its kernels) into the step's graph: train.compile=unroll
     stays one graph with it."""
-    return _MergedAttention.apply(q.contiguous(), *(k.contiguous() for k in keys), *(v.contiguous() for v in values))
+    return _MergedAttention.apply(kernel, q.contiguous(), *(k.contiguous() for k in keys), *(v.contiguous() for v in values))
