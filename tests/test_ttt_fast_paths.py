@@ -223,3 +223,22 @@ def test_flash_checks_itself_against_the_dense_path_and_names_what_is_off(monkey
     with pytest.raises(UserError, match=r"train.attention = flash: on this CPU its gradients differ from the dense "
                                         r"path's by up to \d+\.\d% \(.+; 3% allowed\): use train.attention=flex"):
         flash_check.check_flash(torch.device("cpu"))
+
+
+def test_step_benchmark_runs_and_records_a_finite_step(tmp_path):
+    """scripts/bench_train_step.py --smoke (tiny shapes, CPU): the GPU benchmark's own step code runs and writes
+    its record, so the script the docs' GPU tables come from cannot rot between device sessions."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "step.jsonl"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_train_step.py"
+    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], check=True, capture_output=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["impl"] == "eagle3" and rec["seq_len"] == 64 and "error" not in rec
+    assert rec["grads_finite"] and rec["weights_finite"] and rec["tokens_per_s"] > 0
+    assert rec["loss"] > 0 and rec["loss"] < float("inf")
