@@ -60,6 +60,13 @@ def machine_sizes() -> list[str]:
     return COMPACT
 
 
+def tau_every(cfg, probes: int = 3) -> int:
+    """Optimizer steps between train's τ probes so that a run makes about `probes` of them (each one costs
+    ~30 s of a 2-core CPU), whatever the sizes and batch: train/curves.png's τ panel, not a slower demo."""
+    steps = -(-cfg.data_gen.num_samples // cfg.train.batch_size) * cfg.train.epochs
+    return max(1, -(-steps // probes))  # the last probe falls on the last step, which train always probes
+
+
 def main() -> int:
     args = stage_parser("demo", __doc__).parse_args()
     setup_logging()
@@ -68,8 +75,10 @@ def main() -> int:
     except UserError as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 2
-    # the user's key=value win; τ on 4 held-out prompts every 40 steps draws train/curves.png's τ panel
-    args.overrides = [*machine_sizes(), "train.tau_every=40", "train.tau_new_tokens=32", *args.overrides]
+    # the user's key=value win; τ on 4 held-out prompts a few times in training draws train/curves.png's τ panel
+    sizes = machine_sizes()
+    every = tau_every(load_config(args.config, [*sizes, *args.overrides]))
+    args.overrides = [*sizes, f"train.tau_every={every}", "train.tau_new_tokens=32", *args.overrides]
     set_threads(cfg.threads)
     if cached_server_binary(cache_root(cfg)) is not None:  # eval also serves the drafter in llama.cpp
         args.overrides = ["eval.engine=llamacpp", *args.overrides]

@@ -32,3 +32,11 @@ def test_sizes_follow_the_machine(monkeypatch, capsys, gflops, precision, compac
 
 def test_the_matmul_rate_is_measured():
     assert 1.0 < demo.fp32_matmul_gflops() < 1e5
+
+
+@pytest.mark.parametrize("overrides, every", [(["data_gen.num_samples=448", "train.epochs=4", "train.batch_size=4"], 150),
+                                              (["data_gen.num_samples=448", "train.epochs=4", "train.batch_size=16"], 38),
+                                              (["data_gen.num_samples=5", "train.epochs=1", "train.batch_size=16"], 1)])
+def test_tau_probes_are_a_few_whatever_the_batch(overrides, every):
+    cfg = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", overrides)
+    assert demo.tau_every(cfg) == every
