@@ -94,6 +94,14 @@ def test_flash_attention_takes_the_steps_transposed_views_as_contiguous_copies(m
         torch.testing.assert_close(b, a, **TOL)
 
 
+
+def test_merged_attention_refuses_a_kernel_it_does_not_have():
+    q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="'cudnn2' is not one of"):
+        merged_ttt_attention(q, [k], [v], "cudnn2")
+    torch.testing.assert_close(merged_ttt_attention(q, [k], [v], "cudnn"), dense_ttt_attention(q, [k], [v]), **TOL)
+
+
 def test_block_mask_visits_causal_blocks_and_one_diagonal_block_per_later_step():
     bm = ttt_block_mask(3 * 128, 3, torch.device("cpu"))
     dense = bm.to_dense()[0, 0]  # [query blocks, key blocks]: 1 where the kernel reads the block

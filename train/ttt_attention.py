@@ -24,6 +24,7 @@ import functools
 import torch
 
 BLOCK = 128  # flex attention's default block size
+KERNELS = ("flash", "cudnn")  # merged_ttt_attention's causal kernels on CUDA
 
 
 def dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -242,5 +243,7 @@ def merged_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list
     Inputs made contiguous first: on an H200, q/k/v as the step makes them (transposed [B,T,n,d] views) gave
     outputs and gradients 10-100% off from step 2 on, contiguous copies 0.4% (bf16; docs/PERFORMANCE.md).
     torch.compile traces it (the autograd.Function and its kernels) into the step's graph: train.compile=unroll
-    stays one graph with it."""
+    stays one graph with it. kernel: CUDA's causal kernel, "flash" or "cudnn" (CPU has one: PyTorch's flash)."""
+    if kernel not in KERNELS:  # a misspelt name must not silently measure or train on the flash kernel
+        raise ValueError(f"merged_ttt_attention: kernel {kernel!r} is not one of {KERNELS}")
     return _MergedAttention.apply(kernel, q.contiguous(), *(k.contiguous() for k in keys), *(v.contiguous() for v in values))
