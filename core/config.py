@@ -129,10 +129,11 @@ class TrainConfig:
     wandb_project: str = _f("eagle3", "W&B project")
     mixed_precision: str = _f("auto", "auto | no | bf16; auto = bf16 on GPUs and on CPUs with native bf16 "
                                       "(AVX512-BF16/AMX), fp32 elsewhere (bf16 is ~200x slower there)")
-    attention: str = _f("auto", "auto | dense | flex | flash: TTT attention; flex (CUDA) never builds a [T,T] matrix; "
-                                "flash = a causal FlashAttention kernel plus the diagonal terms merged by log-sum-exp "
-                                "(checked against dense on the device before training: train/flash_check.py; not with "
-                                "pack_length); auto = flex on CUDA, dense elsewhere")
+    attention: str = _f("auto", "auto | dense | flex | flash | cudnn: TTT attention; flex (CUDA) never builds a [T,T] "
+                                "matrix; flash = a causal FlashAttention kernel plus the diagonal terms merged by "
+                                "log-sum-exp, cudnn = the same with cuDNN's fused attention (CUDA; the faster one on "
+                                "Hopper) (both checked against dense on the device before training: train/flash_check.py; "
+                                "not with pack_length); auto = flex on CUDA, dense elsewhere")
     pack_length: int = _f(0, "> 0: pack each micro-batch's samples into rows of exactly this many tokens, several "
                              "documents per row, kept apart by a document mask (static shapes, little padding; trains "
                              "what the padded batch trains); must be >= train.max_len; 0 = right-padded batches", ge=0)

@@ -218,6 +218,8 @@ def parity(args, device) -> dict:
             recs.append(compare(d, device, {"reference": (reference, padded), "fast": (fast, padded),
                                             "fast_flash": ({**fast, "attention": "flash"}, padded),
                                             "fast_unroll_flash": ({**fast, "attention": "flash", "compile": "unroll"},
+                                                                  padded),
+                                            "fast_unroll_cudnn": ({**fast, "attention": "cudnn", "compile": "unroll"},
                                                                   padded)}, "parity_bf16"))
     if "alone" in args.parity:
         recs.append(flash_attention_alone(device))
@@ -321,7 +323,8 @@ def main() -> None:
     ap.add_argument("--variants", default="fast,fast_ckpt",
                     help="fast (flex + compile + fused loss: the GPU defaults) | fast_ckpt (+ activation "
                          "checkpointing) | fast_flash (FlashAttention-2 + log-sum-exp merge) | fast_unroll (the K steps as one "
-                         "compiled graph) | fast_unroll_flash (both) | fast_unroll_bf16w (unroll, bf16 weights: "
+                         "compiled graph) | fast_unroll_flash (both) | fast_unroll_cudnn (unroll, cuDNN's causal kernel + merge) | "
+                         "fast_unroll_bf16w (unroll, bf16 weights: "
                          "train.bf16_weights) | fast_docs (fast on rows of packed documents, train.pack_length; MFU counts "
                          "the attention they need) | eager (flex + fused loss, no compile) | dense (the CPU path)")
     ap.add_argument("--batch", type=int, default=1)
@@ -353,6 +356,8 @@ def main() -> None:
                 "fast_unroll_flash": {"compile": "unroll", "attention": "flash"},
                 "fast_unroll_bf16w": {"compile": "unroll", "bf16_weights": True},
                 "fast_unroll_flash_bf16w": {"compile": "unroll", "attention": "flash", "bf16_weights": True},
+                "fast_unroll_cudnn": {"compile": "unroll", "attention": "cudnn"},
+                "fast_unroll_cudnn_bf16w": {"compile": "unroll", "attention": "cudnn", "bf16_weights": True},
                 "eager": {"compile": "no"}, "dense": {"attention": "dense", "compile": "no"}}
     if args.smoke:
         seqlens, args.warmup, args.iters = [64], 1, 2

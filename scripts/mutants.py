@@ -128,7 +128,7 @@ MUTANTS = [
            "_MergedAttention.apply(kernel, q.contiguous(), *(k.contiguous() for k in keys), *(v.contiguous() for v in values))",
            "_MergedAttention.apply(kernel, q, *keys, *values)", FAST),
     Mutant("F10", "train uses flash attention without checking it on the device first", "train/loop.py",
-           "        check_flash(accelerator.device)", "        pass", ("tests/test_train_online.py",)),
+           "        check_flash(accelerator.device, options[\"attention\"])", "        pass", ("tests/test_train_online.py",)),
     Mutant("F11", "the flash check lets any gradient error through", "train/flash_check.py",
            "    if errors[worst] > LIMIT:", "    if errors[worst] > 100 * LIMIT:", FAST),
     Mutant("H1", "bf16 weights: the checkpoint loses the fp32 masters (a resume continues from the rounded weights)",

@@ -123,7 +123,7 @@ def test_flash_attention_that_fails_its_check_stops_before_training(runs, tmp_pa
     run = tmp_path / "flash"
     for part in ("conversations", "hidden"):
         shutil.copytree(offline.run_path / part, run / part)
-    monkeypatch.setattr(flash_check, "flash_gradient_errors", lambda device: {"fc.weight": 0.2, "norm.weight": 0.01})
+    monkeypatch.setattr(flash_check, "flash_gradient_errors", lambda device, kernel: {"fc.weight": 0.2, "norm.weight": 0.01})
     with pytest.raises(UserError, match=r"flash: on this CPU its gradients differ .* by up to 20.0% \(fc.weight"):
         train(tiny(run, "train.attention=flash"))
     assert not (run / "train/metrics.jsonl").exists() and not (run / "drafter").exists()

@@ -193,9 +193,14 @@ def test_step_options_name_the_setting_that_cannot_run():
     assert step_options(TrainConfig(compile="yes"), torch.device("cuda"))["compile"] is True
     with pytest.raises(UserError, match="train.attention = flash takes one document per row"):
         step_options(TrainConfig(attention="flash", pack_length=4096), cpu)
+    with pytest.raises(UserError, match="train.attention = cudnn takes one document per row"):
+        step_options(TrainConfig(attention="cudnn", pack_length=4096), torch.device("cuda"))
+    assert step_options(TrainConfig(attention="cudnn"), torch.device("cuda"))["attention"] == "cudnn"
     with pytest.raises(UserError, match="train.attention = flex needs a CUDA device"):
         step_options(TrainConfig(attention="flex"), cpu)
-    with pytest.raises(UserError, match="must be one of auto | dense | flex | flash"):
+    with pytest.raises(UserError, match="train.attention = cudnn needs a CUDA device"):
+        step_options(TrainConfig(attention="cudnn"), cpu)
+    with pytest.raises(UserError, match="must be one of auto | dense | flex | flash | cudnn"):
         step_options(TrainConfig(attention="flesh"), cpu)
 
 
@@ -227,7 +232,7 @@ def test_flash_checks_itself_against_the_dense_path_and_names_what_is_off(monkey
     assert len(errors) >= 10 and max(errors.values()) < 1e-4
     flash_check.check_flash(torch.device("cpu"))
     real = module.merged_ttt_attention
-    monkeypatch.setattr(module, "merged_ttt_attention", lambda q, keys, values: real(q, keys[:1], values[:1]))
+    monkeypatch.setattr(module, "merged_ttt_attention", lambda q, keys, values, kernel: real(q, keys[:1], values[:1], kernel))
     with pytest.raises(UserError, match=r"train.attention = flash: on this CPU its gradients differ from the dense "
                                         r"path's by up to \d+\.\d% \(.+; 3% allowed\): use train.attention=flex"):
         flash_check.check_flash(torch.device("cpu"))

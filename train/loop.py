@@ -124,7 +124,7 @@ def step_options(tc, device: torch.device) -> dict:
     """train.attention / compile / loss_chunk / activation_checkpointing -> TTTObjective's options (train.pack_length
     is train/fit.py's: it packs the batch, and TTTObjective reads the packed rows' doc_ids and positions)."""
     cuda = device.type == "cuda"
-    choices = {"attention": ("auto", "dense", "flex", "flash"), "compile": ("auto", "yes", "no", "unroll")}
+    choices = {"attention": ("auto", "dense", "flex", "flash", "cudnn"), "compile": ("auto", "yes", "no", "unroll")}
     for key, allowed in choices.items():
         if getattr(tc, key) not in allowed:
             raise UserError(f"train.{key} = {getattr(tc, key)!r}: must be one of {' | '.join(allowed)}")
@@ -132,9 +132,11 @@ def step_options(tc, device: torch.device) -> dict:
     if attention == "flex" and not cuda:
         raise UserError("train.attention = flex needs a CUDA device (flex attention has no backward on CPU): "
                         "use train.attention=dense")
-    if attention == "flash" and tc.pack_length:
-        raise UserError("train.attention = flash takes one document per row: use train.attention=flex (or dense) "
-                        "with train.pack_length, or set train.pack_length=0")
+    if attention == "cudnn" and not cuda:
+        raise UserError("train.attention = cudnn needs a CUDA device: use train.attention=dense (or flash)")
+    if attention in ("flash", "cudnn") and tc.pack_length:
+        raise UserError(f"train.attention = {attention} takes one document per row: use train.attention=flex (or "
+                        "dense) with train.pack_length, or set train.pack_length=0")
     # auto on CUDA = unroll: 1.09-1.23x the per-step graphs' tokens/s and less memory (docs/PERFORMANCE.md)
     compile = "unroll" if tc.compile == "unroll" or (tc.compile == "auto" and cuda) else tc.compile == "yes"
     log.info("TTT step: %s attention, fused head loss in chunks of %s rows, compile %s, activation checkpointing %s, "
@@ -226,8 +228,8 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     draft_head = target.lm_head[draft_ids].to(accelerator.device, matmul_dtype)  # [Vd,H]: the teacher's rows
     t2d_dev = t2d.to(accelerator.device)
     options = step_options(tc, accelerator.device)
-    if options["attention"] == "flash":
-        check_flash(accelerator.device)  # its gradients against the dense path's, on this device, before training
+    if options["attention"] in ("flash", "cudnn"):  # its gradients against the dense path's, on this device
+        check_flash(accelerator.device, options["attention"])
     objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, **options)
     params = [p for p in objective.parameters() if p.requires_grad]
     opt = make_optimizer(params, tc)

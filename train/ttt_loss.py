@@ -23,6 +23,7 @@ from core.drafter import Eagle3Drafter
 from core.hidden_shards import teacher_positions
 from train.draft_head_loss import draft_head_loss
 from train.ttt_attention import (
+    KERNELS,
     compiled,
     dense_ttt_attention,
     flex_ttt_attention,
@@ -75,13 +76,13 @@ def pad_to(x: torch.Tensor, t: int) -> torch.Tensor:
 
 def ttt_step(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, attention, block_mask, doc_ids):
     """One unrolled step: -> (h2 [B,T,H], this step's k, v). keys/values: the earlier steps'. Dense
-    attention reads doc_ids; flex reads them from its block mask; flash takes no packed rows."""
+    attention reads doc_ids; flex reads them from its block mask; flash and cudnn take no packed rows."""
     q, k, v, residual = drafter.qkv(hidden, tokens, positions)
     keys, values = [*keys, k], [*values, v]
     if attention == "flex":
         attn = flex_ttt_attention(q, keys, values, block_mask)
-    elif attention == "flash":
-        attn = merged_ttt_attention(q, keys, values)
+    elif attention in KERNELS:
+        attn = merged_ttt_attention(q, keys, values, attention)
     else:
         attn = dense_ttt_attention(q, keys, values, doc_ids)
     return drafter.finish(attn, residual), k, v
@@ -123,8 +124,8 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
              doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None):
     """-> (weighted loss, per-step sums {"loss_sum", "correct", "count"}: [K] tensors, detached, not
     synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`).
-    attention: "dense" | "flex" | "flash" (train/ttt_attention.py); loss_chunk: rows per chunk of the fused head
-    loss (0: plain autograd; train/draft_head_loss.py); checkpoint: recompute each step's layer in the
+    attention: "dense" | "flex" | "flash" | "cudnn" (train/ttt_attention.py); loss_chunk: rows per chunk of the fused
+    head loss (0: plain autograd; train/draft_head_loss.py); checkpoint: recompute each step's layer in the
     backward instead of keeping its activations; compile: True: the step's layer and the head loss's elementwise
     terms through torch.compile (fuses norms, RoPE, SiLU, softmaxes), one graph per step; "unroll": all K steps
     as one graph (autocast's weight casts once, not K times; the K gradients of each weight summed inside it). doc_ids, positions [B,T]: packed rows
@@ -138,8 +139,8 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
     else:
         positions = pad_to(positions, tp)
     if doc_ids is not None:
-        if attention == "flash":
-            raise ValueError("flash TTT attention takes one document per row, not packed rows")
+        if attention in KERNELS:
+            raise ValueError(f"{attention} TTT attention takes one document per row, not packed rows")
         doc_ids = F.pad(doc_ids, (0, tp - t), value=-1)  # flex's block padding: one more run of padding
     masks = [counted(loss_mask, in_vocab, doc_ids, k) for k in range(steps)]  # [B,T]
     where = [m.nonzero(as_tuple=True) for m in masks]
