@@ -15,7 +15,8 @@ number of processes, G1-G5 issue 14's static batched generation loop, P1-P3 data
 requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
 (core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
 sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights),
-E1-E2 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter).
+E1-E2 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter), R1-R3 the eager TTT
+steps pruned to the rows a later step counts (TTTObjective's prune_rows).
 """
 
 from __future__ import annotations
@@ -152,6 +153,14 @@ MUTANTS = [
            "        dq = dq + ds[..., None] * kg * scale\n", "        dq = dq\n", FAST),
     Mutant("F7", "flash TTT attention's backward forgets the softmax row term for the diagonal scores",
            "train/ttt_attention.py", "ds = p * ((dog * vg).sum(-1) - delta)", "ds = p * (dog * vg).sum(-1)", FAST),
+    Mutant("R1", "pruned steps keep only the rows their own step counts, not a later step's", "train/ttt_loss.py",
+           "        union = union | masks[k]", "        union = masks[k]", FAST),
+    Mutant("R2", "pruned steps take the previous step's hidden of the wrong rows", "train/ttt_loss.py",
+           "            hidden, tokens, pos = hidden[rows[0]], tokens[rows[0]], pos[rows[0]]",
+           "            hidden, tokens, pos = hidden[rows[0]].roll(1, 0), tokens[rows[0]], pos[rows[0]]", FAST),
+    Mutant("R3", "pruned steps scatter their keys to the wrong positions", "train/ttt_loss.py",
+           "        return scatter_rows(x[0].transpose(0, 1), where, b, t).transpose(1, 2)",
+           "        return scatter_rows(x[0].transpose(0, 1), where, b, t).roll(1, 1).transpose(1, 2)", FAST),
     Mutant("Q1", "dense TTT attention without the document mask: a packed row reads the documents before",
            "train/ttt_attention.py", "        visible = visible & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])",
            "        pass", PACKING),

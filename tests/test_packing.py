@@ -37,14 +37,14 @@ def lm_head(d):
     return torch.randn(d.config.vocab_size, d.config.target_hidden_size, generator=torch.Generator().manual_seed(5))
 
 
-def run_batch(batch, pack_length, loss_on_prompt=False, aux_noise=0.0):
+def run_batch(batch, pack_length, loss_on_prompt=False, aux_noise=0.0, prune_rows=False):
     """train/fit.py's batch_loss on a fresh drafter -> (loss, per-step sums, gradients)."""
     d = drafter()
     tc = TrainConfig(ttt_steps=K, max_len=PACK, pack_length=pack_length, loss_on_prompt=loss_on_prompt,
                      aux_noise=aux_noise)
     source = type("Source", (), {"complete": staticmethod(lambda b: b), "where": staticmethod(str)})
     head = (lm_head(d)[d.t2d], d.t2d, torch.rand(3 * d.config.target_hidden_size) + 0.5)
-    f = Fit(RunConfig(train=tc), None, TTTObjective(d, K, 0.8), None, source, None, None, head, None, 1, 1)
+    f = Fit(RunConfig(train=tc), None, TTTObjective(d, K, 0.8, prune_rows=prune_rows), None, source, None, None, head, None, 1, 1)
     loss, sums = batch_loss(f, batch, epoch=1, index=3, step=0)
     loss.backward()
     return loss.detach(), sums, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}
@@ -77,12 +77,15 @@ def test_pack_lays_documents_out_next_fit_with_their_own_ids_and_positions():
         pack(batch, 24)
 
 
-@pytest.mark.parametrize("loss_on_prompt, aux_noise", [(False, 0.0), (True, 0.3)])
-def test_packed_batch_gives_the_padded_batchs_loss_sums_and_gradients(loss_on_prompt, aux_noise):
+@pytest.mark.parametrize("loss_on_prompt, aux_noise, prune_rows", [(False, 0.0, False), (True, 0.3, False),
+                                                                    (False, 0.0, True)])
+def test_packed_batch_gives_the_padded_batchs_loss_sums_and_gradients(loss_on_prompt, aux_noise, prune_rows):
     """loss_on_prompt: every next document's first token is trained on, so a row that read across a
-    boundary would count; aux_noise: drawn for the padded batch, before packing."""
+    boundary would count; aux_noise: drawn for the padded batch, before packing; prune_rows (the packed
+    run only): steps >= 1 on the counted rows of packed documents."""
     batch = padded_batch(LENGTHS, drafter())
-    padded, packed = (run_batch(batch, n, loss_on_prompt, aux_noise) for n in (0, PACK))
+    padded, packed = (run_batch(batch, n, loss_on_prompt, aux_noise, prune_rows=n > 0 and prune_rows)
+                      for n in (0, PACK))
     assert padded[1]["count"].min() >= 5
     assert_same(padded, packed)
 

@@ -156,9 +156,34 @@ def assert_trains_like_the_reference(d: Eagle3Drafter, steps: int, options: dict
 
 @pytest.mark.parametrize("options", [{"loss_chunk": 7}, {"loss_chunk": 7, "checkpoint": True},
                                      {"loss_chunk": 0, "checkpoint": True}, {"attention": "flash", "loss_chunk": 7},
-                                     {"attention": "flash", "checkpoint": True}])
+                                     {"attention": "flash", "checkpoint": True}, {"prune_rows": True},
+                                     {"prune_rows": True, "loss_chunk": 7, "checkpoint": True},
+                                     {"prune_rows": True, "attention": "flash"}])
 def test_ttt_loss_options_give_the_reference_loss_and_gradients(options):
     assert_trains_like_the_reference(drafter(), 4, options)
+
+
+def test_pruned_steps_run_on_the_counted_rows_only(monkeypatch):
+    """prune_rows: steps 1..K-1 run their layer on the rows that they or a later step count, a shrinking
+    subset of B*T (what makes the CPU step cheaper), each row counted by some step >= k."""
+    from train import ttt_loss as module
+
+    d, seen = drafter(), []
+    real = module.ttt_step_rows
+
+    def spy(drafter, hidden, *args):
+        seen.append((hidden.shape[0], args[-1]))
+        return real(drafter, hidden, *args)
+
+    monkeypatch.setattr(module, "ttt_step_rows", spy)
+    aux, ids, mask, teacher = inputs(2, 40, d)
+    mask[:, :20] = 0  # a prompt: no step counts a row there
+    TTTObjective(d, 4, 0.8, prune_rows=True)(aux, ids, mask, teacher)
+    masks = [module.counted(mask, teacher[2], None, k) for k in range(4)]
+    assert [n for n, _ in seen] == sorted((n for n, _ in seen), reverse=True) and len(seen) == 3
+    for k, (n, (bi, ti)) in enumerate(seen, start=1):
+        assert 0 < n < 2 * 20  # not the prompt's rows
+        assert torch.stack(masks[k:]).any(0)[bi, ti].all() and int(torch.stack(masks[k:]).any(0).sum()) == n
 
 
 def test_ttt_loss_with_flex_attention_equals_dense(monkeypatch):
@@ -188,7 +213,8 @@ def test_step_options_name_the_setting_that_cannot_run():
     assert step_options(TrainConfig(attention="flash"), cpu)["attention"] == "flash"  # the CPU flash kernel runs
     # the defaults: the plain path on CPU; flex in the K-step unroll on CUDA (the faster, leaner one measured)
     assert step_options(TrainConfig(), cpu) == {"attention": "dense", "loss_chunk": 8192, "compile": False,
-                                                "checkpoint": False}
+                                                "checkpoint": False, "prune_rows": True}
+    assert step_options(TrainConfig(), torch.device("cuda"))["prune_rows"] is False  # static shapes for the graphs
     assert step_options(TrainConfig(), torch.device("cuda"))["compile"] == "unroll"
     assert step_options(TrainConfig(compile="yes"), torch.device("cuda"))["compile"] is True
     with pytest.raises(UserError, match="train.attention = flash takes one document per row"):

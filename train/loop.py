@@ -140,10 +140,12 @@ def step_options(tc, device: torch.device) -> dict:
     # auto on CUDA = unroll: 1.09-1.23x the per-step graphs' tokens/s and less memory (docs/PERFORMANCE.md)
     compile = "unroll" if tc.compile == "unroll" or (tc.compile == "auto" and cuda) else tc.compile == "yes"
     log.info("TTT step: %s attention, fused head loss in chunks of %s rows, compile %s, activation checkpointing %s, "
-             "batches %s", attention, tc.loss_chunk or "(off)", compile, tc.activation_checkpointing,
-             f"packed into rows of {tc.pack_length} tokens" if tc.pack_length else "right-padded")
+             "batches %s%s", attention, tc.loss_chunk or "(off)", compile, tc.activation_checkpointing,
+             f"packed into rows of {tc.pack_length} tokens" if tc.pack_length else "right-padded",
+             "" if compile else ", steps >= 1 on the counted rows only")
+    # eager steps skip the rows no later step counts (~1/3 less compute on the demo); graphs keep static shapes
     return {"attention": attention, "loss_chunk": tc.loss_chunk, "compile": compile,
-            "checkpoint": tc.activation_checkpointing}
+            "checkpoint": tc.activation_checkpointing, "prune_rows": not compile}
 
 
 def make_optimizer(params: list[torch.Tensor], tc) -> torch.optim.Optimizer:

@@ -78,14 +78,41 @@ def ttt_step(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, at
     """One unrolled step: -> (h2 [B,T,H], this step's k, v). keys/values: the earlier steps'. Dense
     attention reads doc_ids; flex reads them from its block mask; flash and cudnn take no packed rows."""
     q, k, v, residual = drafter.qkv(hidden, tokens, positions)
-    keys, values = [*keys, k], [*values, v]
+    attn, k, v = ttt_attention(q, [*keys, k], [*values, v], attention, block_mask, doc_ids)
+    return drafter.finish(attn, residual), k, v
+
+
+def ttt_attention(q, keys, values, attention, block_mask, doc_ids):
+    """-> (the step's attention output, its own k and v: the last of keys / values)."""
     if attention == "flex":
         attn = flex_ttt_attention(q, keys, values, block_mask)
     elif attention in KERNELS:
         attn = merged_ttt_attention(q, keys, values, attention)
     else:
         attn = dense_ttt_attention(q, keys, values, doc_ids)
-    return drafter.finish(attn, residual), k, v
+    return attn, keys[-1], values[-1]
+
+
+def scatter_rows(x: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor], b: int, t: int) -> torch.Tensor:
+    """[N,...] rows at where = (bi, ti) -> [B,T,...], zeros elsewhere (differentiable)."""
+    return x.new_zeros(b, t, *x.shape[1:]).index_put(where, x)
+
+
+def ttt_step_rows(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, attention, block_mask, doc_ids,
+                  where):
+    """`ttt_step` on the rows where = (bi, ti) only: hidden [N,H], tokens and positions [N] -> (h2 [N,H], this
+    step's k, v as [B,nkv,T,d], zeros outside those rows). Exact for those rows: at steps >= 1 a row attends
+    to step 0's keys and to its own earlier steps' keys, never to another row of a later step. The linear
+    layers, most of a step's FLOPs, run on N rows instead of B*T; the attention runs on the full layout."""
+    q, k, v, residual = drafter.qkv(hidden[None], tokens[None], positions[None])  # q [1,nh,N,d]
+    b, t = keys[0].shape[0], keys[0].shape[2]
+
+    def full(x):  # [1,n,N,d] -> [B,n,T,d]
+        return scatter_rows(x[0].transpose(0, 1), where, b, t).transpose(1, 2)
+
+    attn, k, v = ttt_attention(full(q), [*keys, full(k)], [*values, full(v)], attention, block_mask, doc_ids)
+    rows = attn.transpose(1, 2)[where].transpose(0, 1)[None]  # [1,nh,N,d]
+    return drafter.finish(rows, residual)[0], k, v
 
 
 @functools.lru_cache(maxsize=64)
@@ -94,17 +121,26 @@ def _block_mask(t: int, steps: int, device: torch.device):
 
 
 def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, steps: int, attention: str, block_masks: tuple,
-               doc_ids, checkpoint: bool, step_fn=ttt_step) -> list[torch.Tensor]:
-    """The K steps, each on the previous one's output -> each step's h2 [B,T,H]."""
+               doc_ids, checkpoint: bool, step_fn=ttt_step, active: tuple | None = None) -> list[torch.Tensor]:
+    """The K steps, each on the previous one's output -> each step's h2 [B,T,H]. active: None, or per step
+    k >= 1 the rows (bi, ti) that step k or a later one counts: those steps run on those rows only (zeros
+    elsewhere in their h2), `ttt_step_rows`."""
     hidden, keys, values, hiddens = aux, [], [], []
+    b, t = input_ids.shape
     for k in range(steps):
+        tokens, pos = shift_left(input_ids, k + 1), positions + k
+        rows = () if active is None or k == 0 else (active[k],)
+        if rows:
+            hidden, tokens, pos = hidden[rows[0]], tokens[rows[0]], pos[rows[0]]
         # tuples: a checkpoint's recompute must see the keys as they were, not the grown list
-        args = (drafter, hidden, shift_left(input_ids, k + 1), positions + k, tuple(keys), tuple(values), attention,
-                block_masks[k], doc_ids)
+        args = (drafter, hidden, tokens, pos, tuple(keys), tuple(values), attention, block_masks[k], doc_ids, *rows)
+        fn = ttt_step_rows if rows else step_fn
         if checkpoint:
-            hidden, kk, vv = torch.utils.checkpoint.checkpoint(step_fn, *args, use_reentrant=False)
+            hidden, kk, vv = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
         else:
-            hidden, kk, vv = step_fn(*args)
+            hidden, kk, vv = fn(*args)
+        if rows:
+            hidden = scatter_rows(hidden, rows[0], b, t)
         keys.append(kk)
         values.append(vv)
         hiddens.append(hidden)
@@ -118,18 +154,29 @@ def counted(loss_mask: torch.Tensor, in_vocab: torch.Tensor, doc_ids: torch.Tens
     return m if doc_ids is None else m & (shift_left(doc_ids, k + 2) == doc_ids)
 
 
+def later_rows(masks: list[torch.Tensor]) -> tuple:
+    """Per-step counted masks [B,T] -> per step k (None at 0) the rows (bi, ti) that step k or a later one counts."""
+    rows, union = [None] * len(masks), torch.zeros_like(masks[0])
+    for k in range(len(masks) - 1, 0, -1):
+        union = union | masks[k]
+        rows[k] = union.nonzero(as_tuple=True)
+    return tuple(rows)
+
+
 def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
              teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor], steps: int, decay: float,
              attention: str = "dense", loss_chunk: int = 0, checkpoint: bool = False, compile: bool | str = False,
-             doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+             doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None, prune_rows: bool = False):
     """-> (weighted loss, per-step sums {"loss_sum", "correct", "count"}: [K] tensors, detached, not
     synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`).
     attention: "dense" | "flex" | "flash" | "cudnn" (train/ttt_attention.py); loss_chunk: rows per chunk of the fused
     head loss (0: plain autograd; train/draft_head_loss.py); checkpoint: recompute each step's layer in the
     backward instead of keeping its activations; compile: True: the step's layer and the head loss's elementwise
     terms through torch.compile (fuses norms, RoPE, SiLU, softmaxes), one graph per step; "unroll": all K steps
-    as one graph (autocast's weight casts once, not K times; the K gradients of each weight summed inside it). doc_ids, positions [B,T]: packed rows
-    (train/packing.py): each token's document in its row (-1 on padding) and its position in that document."""
+    as one graph (autocast's weight casts once, not K times; the K gradients of each weight summed inside it).
+    doc_ids, positions [B,T]: packed rows (train/packing.py): each token's document in its row (-1 on padding)
+    and its position in that document. prune_rows (eager only: compiled graphs want static shapes): steps >= 1
+    run only on the rows that they or a later step count (`ttt_step_rows`); the same loss and gradients."""
     p, top, in_vocab = teacher
     b, t = input_ids.shape
     tp = padded_length(t) if attention == "flex" else t  # padded rows count nowhere (loss mask 0)
@@ -151,8 +198,10 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
     args = (drafter, aux, input_ids, positions, steps, attention, tuple(block_masks), doc_ids, checkpoint)
     if compile == "unroll":
         hiddens = compiled(ttt_unroll)(*args)
+    elif compile:
+        hiddens = ttt_unroll(*args, step_fn=compiled(ttt_step))
     else:
-        hiddens = ttt_unroll(*args, step_fn=compiled(ttt_step) if compile else ttt_step)
+        hiddens = ttt_unroll(*args, active=later_rows(masks) if prune_rows else None)
     xs, rows = [], []
     for k, hidden in enumerate(hiddens):
         bi, ti = where[k]
@@ -180,11 +229,11 @@ class TTTObjective(torch.nn.Module):
     """The drafter plus its TTT unroll as one forward, so DDP / DeepSpeed wrap the whole step."""
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, attention: str = "dense",
-                 loss_chunk: int = 0, checkpoint: bool = False, compile: bool | str = False):
+                 loss_chunk: int = 0, checkpoint: bool = False, compile: bool | str = False, prune_rows: bool = False):
         super().__init__()
         self.drafter, self.steps, self.decay = drafter, steps, decay
         self.options = {"attention": attention, "loss_chunk": loss_chunk, "checkpoint": checkpoint,
-                        "compile": compile}
+                        "compile": compile, "prune_rows": prune_rows}
 
     def forward(self, aux, input_ids, loss_mask, teacher, doc_ids=None, positions=None):
         return ttt_loss(self.drafter, aux, input_ids, loss_mask, teacher, self.steps, self.decay, **self.options,
