@@ -6,8 +6,9 @@ The stages run one after another in this process (each is exactly `python -m <st
 interpreter saves ~4 s of imports per stage on a 2-core machine).
 
 Sizes follow the machine: the config's (1216 samples, 5 epochs) where they fit ~20 min, on a GPU or
-a CPU with native bf16 and fast fp32 matmul (an AVX-512 Xeon here: 13-19 min); COMPACT elsewhere (a
-2-core AVX2 EPYC here ran the full sizes in 38:42). key=value arguments override either.
+a CPU with native bf16 and fast fp32 matmul (an AVX-512 Xeon here: 13-19 min); MEDIUM on a CPU with
+native bf16 and slower fp32 (an AVX512-BF16 EPYC here: compact in 10:17, full sizes ~23 min); COMPACT
+without native bf16 (a 2-core AVX2 EPYC here ran the full sizes in 38:42). key=value arguments override any.
 """
 
 import gc
@@ -32,6 +33,7 @@ from train.loop import main as train_main  # noqa: E402
 STAGES = {"data_gen": data_gen_main, "extract": extract_main, "train": train_main, "eval": eval_main}
 FULL_SPEED_GFLOPS = 200.0  # fp32 matmul on 2 cores: ~290 on the AVX-512 Xeon, ~125 on the AVX2 EPYC
 COMPACT = ["data_gen.num_samples=448", "train.epochs=4", "eval.max_new_tokens=64", "eval.max_prompts=12"]
+MEDIUM = ["data_gen.num_samples=640", *COMPACT[1:]]  # +43% data: τ grows ~0.14 per doubling of samples
 
 
 def fp32_matmul_gflops() -> float:
@@ -47,17 +49,19 @@ def fp32_matmul_gflops() -> float:
 
 
 def machine_sizes() -> list[str]:
-    """[] (the config's sizes) on a GPU or a fast CPU with native bf16; COMPACT elsewhere, said aloud."""
+    """[] (the config's sizes) on a GPU or a fast CPU with native bf16; MEDIUM on a slower one with native
+    bf16; COMPACT without it; either said aloud."""
     if torch.cuda.is_available():
         return []
     gflops, bf16 = fp32_matmul_gflops(), resolve_precision("auto") == "bf16"
     if bf16 and gflops >= FULL_SPEED_GFLOPS:
         return []
-    print(f"demo: this CPU runs fp32 matmul at {gflops:.0f} GFLOP/s{'' if bf16 else ' and has no native bf16'}: "
-          f"compact sizes ({' '.join(COMPACT)}) keep the demo near 20 min; the config's full sizes take ~40 min "
-          "on a 2-core AVX2 CPU: make demo ARGS=\"data_gen.num_samples=1216 train.epochs=5 eval.max_new_tokens=96 "
+    sizes = MEDIUM if bf16 else COMPACT
+    print(f"demo: this CPU runs fp32 matmul at {gflops:.0f} GFLOP/s{' (native bf16)' if bf16 else ' and has no native bf16'}: "
+          f"smaller sizes ({' '.join(sizes)}) keep the demo under 20 min; the config's full sizes take ~23-40 min "
+          "on a 2-core CPU like this: make demo ARGS=\"data_gen.num_samples=1216 train.epochs=5 eval.max_new_tokens=96 "
           "eval.max_prompts=16\"", flush=True)
-    return COMPACT
+    return sizes
 
 
 def tau_every(cfg, probes: int = 3) -> int:

@@ -1,6 +1,6 @@
 """`make demo` sizes itself to the machine (scripts/demo.py): the config's sizes on a fast CPU with
-native bf16, COMPACT (valid config keys, smaller work, said aloud) on a slower one; the user's
-key=value arguments still win."""
+native bf16, MEDIUM on a slower one with native bf16, COMPACT without it (valid config keys, smaller work,
+said aloud); the user's key=value arguments still win."""
 
 import importlib.util
 
@@ -14,19 +14,21 @@ demo = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(demo)
 
 
-@pytest.mark.parametrize("gflops, precision, compact", [(290.0, "bf16", False), (125.0, "no", True),
-                                                         (290.0, "no", True), (150.0, "bf16", True)])
-def test_sizes_follow_the_machine(monkeypatch, capsys, gflops, precision, compact):
+@pytest.mark.parametrize("gflops, precision, expected", [(290.0, "bf16", "FULL"), (125.0, "no", "COMPACT"),
+                                                          (290.0, "no", "COMPACT"), (103.0, "bf16", "MEDIUM")])
+def test_sizes_follow_the_machine(monkeypatch, capsys, gflops, precision, expected):
     monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(demo, "fp32_matmul_gflops", lambda: gflops)
     monkeypatch.setattr(demo, "resolve_precision", lambda name: precision)
     sizes = demo.machine_sizes()
-    assert sizes == (demo.COMPACT if compact else [])
+    assert sizes == getattr(demo, expected, [])
+    compact = expected != "FULL"
     assert (f"{gflops:.0f} GFLOP/s" in capsys.readouterr().out) == compact
     full = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", [])
     small = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", [*sizes, "train.epochs=7"])
     work = small.data_gen.num_samples * small.eval.max_new_tokens * small.eval.max_prompts
     assert (work < full.data_gen.num_samples * full.eval.max_new_tokens * full.eval.max_prompts) == compact
+    assert small.data_gen.num_samples == {"FULL": 1216, "MEDIUM": 640, "COMPACT": 448}[expected]
     assert small.train.epochs == 7  # the user's override wins
 
 
