@@ -28,6 +28,18 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept within
 
 
+@pytest.fixture(autouse=True, scope="module")
+def fresh_accelerate_state():
+    """Accelerate fixes the mixed precision once per process. On a CPU with native bf16, train.mixed_precision=auto
+    trains in bf16, so a file that trains in fp32 (tests/test_train_online.py) after one that trained in bf16 in
+    the same test worker was refused at its first Accelerator: each file starts from a cleared state (autouse
+    module fixtures run before the file's own module fixtures)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    yield
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path):
     """The debug config (4-layer random Llama, SmolLM2 tokenizer) writing under tmp_path."""
