@@ -62,8 +62,12 @@ def test_online_trains_the_same_drafter_as_offline(runs):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
     w_off, w_on = (load_file(c.run_path / "drafter/model.safetensors") for c in (offline, online))
     assert w_off.keys() == w_on.keys()
+    # the exports are bf16: online captures differ from extract's in the last fp32 bits (other batch
+    # compositions), which flips the bf16 rounding of a few weights (1-3 of thousands on an AVX512-BF16 EPYC);
+    # so: every weight within one bf16 step (2^-7 relative), and at most 0.1% of them not bit-equal
     for name in w_off:  # d2t / t2d included: the same draft vocab, counted from the conversations
-        torch.testing.assert_close(w_on[name], w_off[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(w_on[name], w_off[name], rtol=2**-7, atol=1e-5, msg=name)
+        assert (w_on[name] != w_off[name]).float().mean() <= 1e-3, name
 
 
 @pytest.mark.parametrize("on_prompt", [False, True])
