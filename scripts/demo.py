@@ -31,7 +31,7 @@ from extract.run import main as extract_main  # noqa: E402
 from train.loop import main as train_main  # noqa: E402
 
 STAGES = {"data_gen": data_gen_main, "extract": extract_main, "train": train_main, "eval": eval_main}
-FULL_SPEED_GFLOPS = 200.0  # fp32 matmul on 2 cores: ~290 on the AVX-512 Xeon, ~125 on the AVX2 EPYC
+FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores: ~290 on the AVX-512 Xeon, 103-174 on the AVX512-BF16 EPYC
 COMPACT = ["data_gen.num_samples=448", "train.epochs=4", "eval.max_new_tokens=64", "eval.max_prompts=12"]
 MEDIUM = ["data_gen.num_samples=832", *COMPACT[1:]]  # ~15 min there: 640 took 11:42 (τ 1.469), 1024 18:18 (1.531)
 
