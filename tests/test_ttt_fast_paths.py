@@ -94,7 +94,6 @@ def test_flash_attention_takes_the_steps_transposed_views_as_contiguous_copies(m
         torch.testing.assert_close(b, a, **TOL)
 
 
-
 def test_merged_attention_refuses_a_kernel_it_does_not_have():
     q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 4)
     with pytest.raises(ValueError, match="'cudnn2' is not one of"):

@@ -39,6 +39,7 @@ from train.online import OnlineSource
 from train.plots import plot_curves
 from train.position import accum_for
 from train.tau_probe import TauProbe
+from train.ttt_attention import KERNELS
 from train.ttt_loss import TTTObjective
 
 log = logging.getLogger("train")
@@ -124,7 +125,7 @@ def step_options(tc, device: torch.device) -> dict:
     """train.attention / compile / loss_chunk / activation_checkpointing -> TTTObjective's options (train.pack_length
     is train/fit.py's: it packs the batch, and TTTObjective reads the packed rows' doc_ids and positions)."""
     cuda = device.type == "cuda"
-    choices = {"attention": ("auto", "dense", "flex", "flash", "cudnn"), "compile": ("auto", "yes", "no", "unroll")}
+    choices = {"attention": ("auto", "dense", "flex", *KERNELS), "compile": ("auto", "yes", "no", "unroll")}
     for key, allowed in choices.items():
         if getattr(tc, key) not in allowed:
             raise UserError(f"train.{key} = {getattr(tc, key)!r}: must be one of {' | '.join(allowed)}")
@@ -134,7 +135,7 @@ def step_options(tc, device: torch.device) -> dict:
                         "use train.attention=dense")
     if attention == "cudnn" and not cuda:
         raise UserError("train.attention = cudnn needs a CUDA device: use train.attention=dense (or flash)")
-    if attention in ("flash", "cudnn") and tc.pack_length:
+    if attention in KERNELS and tc.pack_length:
         raise UserError(f"train.attention = {attention} takes one document per row: use train.attention=flex (or "
                         "dense) with train.pack_length, or set train.pack_length=0")
     # auto on CUDA = unroll: 1.09-1.23x the per-step graphs' tokens/s and less memory (docs/PERFORMANCE.md)
@@ -230,7 +231,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     draft_head = target.lm_head[draft_ids].to(accelerator.device, matmul_dtype)  # [Vd,H]: the teacher's rows
     t2d_dev = t2d.to(accelerator.device)
     options = step_options(tc, accelerator.device)
-    if options["attention"] in ("flash", "cudnn"):  # its gradients against the dense path's, on this device
+    if options["attention"] in KERNELS:  # its gradients against the dense path's, on this device
         check_flash(accelerator.device, options["attention"])
     objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, **options)
     params = [p for p in objective.parameters() if p.requires_grad]

@@ -78,19 +78,17 @@ def ttt_step(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, at
     """One unrolled step: -> (h2 [B,T,H], this step's k, v). keys/values: the earlier steps'. Dense
     attention reads doc_ids; flex reads them from its block mask; flash and cudnn take no packed rows."""
     q, k, v, residual = drafter.qkv(hidden, tokens, positions)
-    attn, k, v = ttt_attention(q, [*keys, k], [*values, v], attention, block_mask, doc_ids)
+    attn = ttt_attention(q, [*keys, k], [*values, v], attention, block_mask, doc_ids)
     return drafter.finish(attn, residual), k, v
 
 
 def ttt_attention(q, keys, values, attention, block_mask, doc_ids):
-    """-> (the step's attention output, its own k and v: the last of keys / values)."""
+    """The step's attention [B,nh,T,d] through the chosen implementation (train/ttt_attention.py)."""
     if attention == "flex":
-        attn = flex_ttt_attention(q, keys, values, block_mask)
-    elif attention in KERNELS:
-        attn = merged_ttt_attention(q, keys, values, attention)
-    else:
-        attn = dense_ttt_attention(q, keys, values, doc_ids)
-    return attn, keys[-1], values[-1]
+        return flex_ttt_attention(q, keys, values, block_mask)
+    if attention in KERNELS:
+        return merged_ttt_attention(q, keys, values, attention)
+    return dense_ttt_attention(q, keys, values, doc_ids)
 
 
 def scatter_rows(x: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor], b: int, t: int) -> torch.Tensor:
@@ -110,7 +108,8 @@ def ttt_step_rows(drafter: Eagle3Drafter, hidden, tokens, positions, keys, value
     def full(x):  # [1,n,N,d] -> [B,n,T,d]
         return scatter_rows(x[0].transpose(0, 1), where, b, t).transpose(1, 2)
 
-    attn, k, v = ttt_attention(full(q), [*keys, full(k)], [*values, full(v)], attention, block_mask, doc_ids)
+    k, v = full(k), full(v)
+    attn = ttt_attention(full(q), [*keys, k], [*values, v], attention, block_mask, doc_ids)
     rows = attn.transpose(1, 2)[where].transpose(0, 1)[None]  # [1,nh,N,d]
     return drafter.finish(rows, residual)[0], k, v
 
