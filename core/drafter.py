@@ -279,8 +279,7 @@ class Eagle3Drafter(nn.Module):
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn [B,nh,T,d] -> h2 [B,T,H], the pre-norm output the next step consumes."""
         layer = self.midlayer
-        b, _, t, _ = attn.shape
-        h = residual + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        h = residual + layer.self_attn.o_proj(attn.transpose(1, 2).flatten(2))  # also for 0 rows (pruned steps)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def logits(self, h2: torch.Tensor) -> torch.Tensor:

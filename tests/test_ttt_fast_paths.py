@@ -185,6 +185,26 @@ def test_pruned_steps_run_on_the_counted_rows_only(monkeypatch):
         assert torch.stack(masks[k:]).any(0)[bi, ti].all() and int(torch.stack(masks[k:]).any(0).sum()) == n
 
 
+def test_pruned_steps_take_a_batch_that_no_later_step_counts():
+    """A micro-batch of prompts only (or answers too short for steps >= 1): the pruned steps run on 0 rows and
+    give the plain path's zero loss and gradients, not an error."""
+    d = drafter()
+    aux, ids, mask, teacher = inputs(2, 40, d)
+    mask[:] = 0
+    mask[:, 2] = 1  # one answer token, x[2]: step 0 counts row 0 (x[t+2]); step k >= 1 would need row -k
+    teacher[2][:, 1] = True  # the target's argmax at 1 is in the draft vocab
+    results = []
+    for prune in (False, True):
+        d.zero_grad(set_to_none=True)
+        loss, sums = TTTObjective(d, 4, 0.8, prune_rows=prune)(aux, ids, mask, teacher)
+        loss.backward()
+        results.append((loss.detach(), sums["count"], d.fc.weight.grad))
+    (l0, c0, g0), (l1, c1, g1) = results
+    assert c1.tolist() == c0.tolist() == [2, 0, 0, 0]
+    torch.testing.assert_close(l1, l0, **TOL)
+    torch.testing.assert_close(g1, g0, **TOL)
+
+
 def test_ttt_loss_with_flex_attention_equals_dense(monkeypatch):
     """The whole unroll with flex (eager reference kernel, forward: no CPU backward) on a length that is
     padded to 128: same loss and sums as the dense path."""
