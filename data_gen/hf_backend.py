@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from core.decode import generate
+from core.errors import UserError
 from data_gen.openai_client import Reply
 
 
@@ -18,8 +19,14 @@ class HFBackend:
 
     def answer(self, prompts: list[list[int]]) -> list[Reply]:
         """Replies to templated prompt ids, in order, as one batch: the caller sizes it (data_gen.batch_size)."""
-        gens = generate(self.model, prompts, self.max_new_tokens, self.stop_ids, self.temperature, self.rng,
-                        self.bf16_prefill, self.graphs, fuse=self.fuse)
+        try:
+            gens = generate(self.model, prompts, self.max_new_tokens, self.stop_ids, self.temperature, self.rng,
+                            self.bf16_prefill, self.graphs, fuse=self.fuse)
+        except torch.OutOfMemoryError as e:  # memory grows with rows x (context + new tokens): say which knob
+            raise UserError(f"data_gen: out of {self.model.device.type} memory answering {len(prompts)} prompts of up "
+                            f"to {max(map(len, prompts))} tokens (+ {self.max_new_tokens} new): lower "
+                            "data_gen.batch_size or data_gen.max_context_tokens; every conversation finished so far "
+                            "is committed, so rerunning the same command continues") from e
         replies = []
         for g in gens:
             body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens  # without the end-of-turn token

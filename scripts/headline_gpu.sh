@@ -71,13 +71,10 @@ for phase in "$@"; do
   generate)
     bounded data_gen --config $CFG --run-dir $RUN ;;
   generate-for)  # data_gen for GEN_S seconds; what it committed by then is the training data; GEN_ARGS: overrides
-    # unset GEN_ARGS: the fused decode step if bench-first measured it >= 10% faster than graphs at batch 256
-    args=${GEN_ARGS-$("$PY" -c "import json, sys
-rows = [r for r in json.load(open(sys.argv[1]))['rows'] if r['batch'] == 256 and 'tok_s' in r]
-rate = {r['path']: r['tok_s'] for r in rows}
-print('data_gen.compile=fused' if rate.get('fused', 0) > 1.1 * rate.get('graphs', 0) else '')" $S/logs/bench_generate_1024.json 2>/dev/null || true)}
-    echo "== data_gen overrides: ${args:-(none)}"
-    PHASE_S=${GEN_S:-330} CUT_OK=1 bounded data_gen --config $CFG --run-dir $RUN $args ;;
+    # (the fused step, data_gen.compile=fused, is opt-in here too: 1.19x graphs at batch 256 on 1024-token
+    # prompts, but 86 of 256 rows parted from the eager loop's tokens; docs/PERFORMANCE.md, fourth try)
+    echo "== data_gen overrides: ${GEN_ARGS:-(none)}"
+    PHASE_S=${GEN_S:-330} CUT_OK=1 bounded data_gen --config $CFG --run-dir $RUN ${GEN_ARGS:-} ;;
   train)
     bounded train --config $CFG --run-dir $RUN ${EPOCHS:+train.epochs=$EPOCHS} ;;
   train-for)  # as many epochs as fit TRAIN_S at TRAIN_TOK_S (the target's forward included); TRAIN_ARGS: more overrides
@@ -91,8 +88,10 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
   start)  # the rest of the run in the background, from a copy of the code (a later command's sync can't touch it)
     rm -rf $S/code $S/done && mkdir -p $S/code $S/logs && cp -r core data_gen extract train eval scripts configs $S/code/
     if [ -d .carry ]; then cp -r .carry $S/code/; fi  # train-step's SpecForge wheel and harness
-    (set +e; cd $S/code && STASH=$S setsid nohup bash scripts/headline_gpu.sh ${PIPELINE:-generate-for train-for results \
-       eval results bench results} > $S/logs/pipeline.log 2>&1 < /dev/null; echo "rc $?" > $S/done) > /dev/null 2>&1 &
+    # the done marker is written inside the new session: the device ends the command's own processes when it returns
+    (cd $S/code && STASH=$S setsid nohup bash -c 'bash scripts/headline_gpu.sh "$@"; echo "rc $?" > "$STASH/done"' _ \
+       ${PIPELINE:-generate-for train-for results eval results bench results} > $S/logs/pipeline.log 2>&1 < /dev/null) \
+       > /dev/null 2>&1 &
     echo "pipeline started (log: $S/logs/pipeline.log)" ;;
   wait)  # follow the background pipeline for WAIT_S seconds or to its end; PACK=1: then pack what there is
     end=$(( $(date +%s) + ${WAIT_S:-540} )) seen=0

@@ -160,3 +160,22 @@ def test_sigterm_commits_every_finished_conversation_and_a_rerun_does_only_the_r
     assert sorted(rows, key=lambda r: r["id"]) == sorted(alone.values(), key=lambda r: r["id"])
     assert sum(rerun.calls) == sum(n for n, p in zip(answered, [r for p in parts for r in p], strict=True)
                                    if p["id"] not in {k["id"] for k in kept})
+
+
+def test_out_of_memory_names_the_batch_and_the_knobs(monkeypatch):
+    """A batch that does not fit the device ends data_gen with one line naming data_gen.batch_size, not a
+    CUDA traceback (the H200 at batch 512 x 1,792-token contexts). The OOM itself is raised by a stand-in
+    for core.decode.generate: no CPU run can be made to reach it."""
+    import torch
+
+    from data_gen import hf_backend
+
+    def out_of_memory(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.59 GiB")
+
+    monkeypatch.setattr(hf_backend, "generate", out_of_memory)
+    model = type("Model", (), {"device": torch.device("cpu")})()
+    backend = hf_backend.HFBackend(model, None, [0], 256, 0.0, 0, False, False)
+    with pytest.raises(UserError, match=r"answering 2 prompts of up to 5 tokens \(\+ 256 new\): lower "
+                                        r"data_gen.batch_size or data_gen.max_context_tokens"):
+        backend.answer([[1, 2, 3], [1, 2, 3, 4, 5]])
