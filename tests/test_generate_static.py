@@ -148,7 +148,7 @@ def test_fused_decode_steps_run_compiled_and_write_the_plain_loops_tokens(tiny, 
 def test_a_finished_call_frees_its_cache_at_once(tiny, monkeypatch, fuse):
     """The static cache (24 GB at batch 512 x 2,048 slots on the GPU) is gone when generate returns, without
     Python's cyclic collector: a step that kept itself alive through a bound method of its own left each
-    batch's cache to the collector's timing, and the H200 ran out of memory a few batches in."""
+    batch's cache to the collector's timing (the likely cause of the H200's out-of-memory a few batches in)."""
     import gc
     import weakref
 
