@@ -74,7 +74,14 @@ for phase in "$@"; do
     # (the fused step, data_gen.compile=fused, is opt-in here too: 1.19x graphs at batch 256 on 1024-token
     # prompts, but 86 of 256 rows parted from the eager loop's tokens; docs/PERFORMANCE.md, fourth try)
     echo "== data_gen overrides: ${GEN_ARGS:-(none)}"
-    PHASE_S=${GEN_S:-330} CUT_OK=1 bounded data_gen --config $CFG --run-dir $RUN ${GEN_ARGS:-} ;;
+    # GEN_RETRY_ARGS: if data_gen fails (out of memory at a new batch size), it goes on with these overrides
+    # instead of GEN_ARGS for the rest of GEN_S; what the failed run committed stays (data_gen resumes)
+    t0=$(date +%s)
+    PHASE_S=${GEN_S:-330} CUT_OK=1 bounded data_gen --config $CFG --run-dir $RUN ${GEN_ARGS:-} || {
+      [ -n "${GEN_RETRY_ARGS:-}" ] || exit 1
+      left=$(( ${GEN_S:-330} - ($(date +%s) - t0) )); left=$(( left < 60 ? 60 : left ))
+      echo "== data_gen failed: $left s more with $GEN_RETRY_ARGS"
+      PHASE_S=$left CUT_OK=1 bounded data_gen --config $CFG --run-dir $RUN $GEN_RETRY_ARGS; } ;;
   train)
     bounded train --config $CFG --run-dir $RUN ${EPOCHS:+train.epochs=$EPOCHS} ;;
   train-for)  # as many epochs as fit TRAIN_S at TRAIN_TOK_S (the target's forward included); TRAIN_ARGS: more overrides
