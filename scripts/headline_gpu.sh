@@ -121,11 +121,12 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
       --prompt-len 1024 --new-tokens 128 --paths eager graphs fused --repeats 1 --out $S/logs/bench_generate_1024.json \
       2>&1 | tee $S/logs/bench_generate_1024.log || true
     timeout 90 "$PY" scripts/bench_extract.py --config $CFG --device cuda 2>&1 | tee $S/logs/bench_extract.log || true ;;
-  bench)  # each stage's figure against its limit, on this machine (docs/PERFORMANCE.md), real SmolLM2 weights
+  bench|bench-gen)  # each stage's figure against its limit, on this machine (docs/PERFORMANCE.md), real SmolLM2 weights;
+    # bench-gen: the decode benchmark only; BENCH_BATCH, BENCH_PATHS: other batches and decode paths
     mkdir -p $S/logs
-    timeout 240 "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch 256 512 \
-      --paths eager graphs hf --repeats 1 --out $S/logs/bench_generate.json 2>&1 | tee $S/logs/bench_generate.log || true
-    timeout 180 "$PY" scripts/bench_extract.py --config $CFG --device cuda 2>&1 | tee $S/logs/bench_extract.log || true ;;
+    timeout 240 "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch ${BENCH_BATCH:-256 512} \
+      --paths ${BENCH_PATHS:-eager graphs hf} --repeats 1 --out $S/logs/bench_generate.json 2>&1 | tee $S/logs/bench_generate.log || true
+    [ "$phase" = bench-gen ] || timeout 180 "$PY" scripts/bench_extract.py --config $CFG --device cuda 2>&1 | tee $S/logs/bench_extract.log || true ;;
   eval)  # batch-1 decoding leaves the GPU mostly idle: the settings run side by side, one process each
     mt=$S/mt_bench.jsonl pids=()
     # 2 threads each: seven processes that each take every idle core slow one another down (27 tok/s at batch 1)
@@ -150,6 +151,6 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     ls -la "$OUT" ;;
   results)  # a marker in the pipeline's log: what `pack` would take is complete up to here
     echo "== results ready: $(ls $RUN/drafter $RUN/evals 2>/dev/null | tr '\n' ' ')" ;;
-  *) echo "unknown phase $phase (pack-inputs stash setup restore train-step bench-first generate generate-for train train-for start wait bench eval results pack)" >&2; exit 2 ;;
+  *) echo "unknown phase $phase (pack-inputs stash setup restore train-step bench-first generate generate-for train train-for start wait bench bench-gen eval results pack)" >&2; exit 2 ;;
   esac
 done
