@@ -6,8 +6,8 @@
 #   device: scripts/headline_gpu.sh stash            # carry .gpurun/a: keep it on the machine
 #           scripts/headline_gpu.sh setup start wait # carry .gpurun/b: wheels, target, ShareGPT; then the
 #                                                    # pipeline runs on in the background (setsid), past the command
-#           scripts/headline_gpu.sh wait             # follow it for WAIT_S seconds (as many commands as it takes)
-#           PACK=1 scripts/headline_gpu.sh wait      # the last: whatever is done goes to $OUT
+#           scripts/headline_gpu.sh wait             # follow it for WAIT_S seconds (as many commands as it takes);
+#                                                    # each wait ends by packing whatever is done into $OUT
 # Data accumulates over sessions: `pack` takes the conversations too; unpacked here into .gpurun/c, a
 # third carry's `restore` puts them back before `start`, and data_gen continues where they end.
 # Issue 13's training-step benchmark the same way (one command, past the 10 min a device command may run):
@@ -100,7 +100,7 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
        ${PIPELINE:-generate-for train-for results eval results bench results} > $S/logs/pipeline.log 2>&1 < /dev/null) \
        > /dev/null 2>&1 &
     echo "pipeline started (log: $S/logs/pipeline.log)" ;;
-  wait)  # follow the background pipeline for WAIT_S seconds or to its end; PACK=1: then pack what there is
+  wait)  # follow the background pipeline for WAIT_S seconds or to its end, then pack what there is
     end=$(( $(date +%s) + ${WAIT_S:-540} )) seen=0
     while :; do
       n=$(wc -l < $S/logs/pipeline.log); [ "$n" -gt "$seen" ] && sed -n "$((seen + 1)),${n}p" $S/logs/pipeline.log | { grep -v '%|' || true; } | cut -c1-300; seen=$n
@@ -109,7 +109,9 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
       sleep 5
     done
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader || true
-    if [ -n "${PACK:-}" ]; then exec "$0" pack; fi ;;
+    # every wait packs what is done (PACK=0: not): a session cut off between commands loses only what came after
+    # the last one (the fifth try lost a finished drafter and its evals to a machine released while idle)
+    if [ "${PACK:-1}" != 0 ] && [ -n "${OUT:-}" ]; then exec "$0" pack; fi ;;
   train-step)  # issue 13's one command: our training step beside SpecForge's at each length (carry .carry)
     mkdir -p $S/logs
     "$PY" scripts/bench_train_step.py --seqlens ${SEQLENS:-2048,4096,8192,16384} --variants ${VARIANTS:-fast_unroll} \
@@ -145,7 +147,8 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
   pack)  # what comes back (at most 8 files of 16 MiB): one tar.xz of the results, cut into 15 MB parts
     # here: cat headline.tar.xz.* | tar -xJ   (the drafter, train curves/metrics/manifest, the conversations, evals, logs)
     : "${OUT:?pack writes to \$OUT}"
-    (cd $S && tar -cJf - --ignore-failed-read run/drafter run/train/metrics.jsonl run/train/curves.png \
+    rm -f "$OUT"/headline.tar.xz.*
+    (cd $S && XZ_OPT=-T0 tar -cJf - --ignore-failed-read run/drafter run/train/metrics.jsonl run/train/curves.png \
        run/train/manifest.json run/conversations run/evals logs) |
       split -b 15000000 - "$OUT/headline.tar.xz."
     ls -la "$OUT" ;;
