@@ -58,8 +58,8 @@ class DataGenConfig:
     stop: list[str] = _f([], "extra stop strings (openai backend)")
     request_seed: int | None = _f(None, "seed sent with every request (openai backend; +j for answer j)")
     batch_size: int = _f(16, "prompts generated together (hf backend)", ge=1)
-    mixed_precision: str = _f("no", "auto | no | bf16: prompt prefill under bf16 autocast (hf backend; decode "
-                                    "stays in target.dtype); auto = where the device has native bf16")
+    mixed_precision: str = _f("no", "auto | no | bf16: prompt prefill under bf16 autocast and decode steps with a "
+                                    "bf16 copy of the weights (hf backend); auto = where the device has native bf16")
     compile: str = _f("auto", "auto | yes | no | fused: replay each decode step as a CUDA graph (hf backend; the "
                               "same kernels, so the same tokens, hundreds of launches fewer); auto = on CUDA; fused "
                               "= torch.compile the step first (its small kernels fused; bf16 tokens may differ "

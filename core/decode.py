@@ -64,10 +64,11 @@ def target_forward(model, cache: StaticCache, ids: torch.Tensor, start: int, att
 
 
 def prefill(model, cache: StaticCache, ids: torch.Tensor, attention_mask=None, position_ids=None,
-            aux_layers: list[int] | None = None, bf16: bool = False):
-    """The prompt pass -> (last-position logits [B,V], aux [B,T,3H] or None)."""
+            aux_layers: list[int] | None = None, bf16: bool = False, cache_dtype: torch.dtype | None = None):
+    """The prompt pass -> (last-position logits [B,V], aux [B,T,3H] or None). bf16: under autocast, its
+    K/V stored in cache_dtype (default the model's)."""
     if bf16:
-        return _prefill_bf16(model, cache, ids, attention_mask, position_ids), None
+        return _prefill_bf16(model, cache, ids, attention_mask, position_ids, cache_dtype or model.dtype), None
     logits, aux = target_forward(model, cache, ids, 0, attention_mask, position_ids, aux_layers, last_only=True)
     return logits[:, -1], aux
 
@@ -85,16 +86,17 @@ def verify(model, cache: StaticCache, tokens: list[int], start: int, aux_layers:
     return logits[0], aux
 
 
-def _prefill_bf16(model, cache: StaticCache, ids, mask, pos) -> torch.Tensor:
+def _prefill_bf16(model, cache: StaticCache, ids, mask, pos, dtype: torch.dtype) -> torch.Tensor:
     """Prompt pass under bf16 autocast (3.4x faster on AMX CPUs; ~40% of a demo generation was prefill)
-    into a throwaway cache, its K/V then copied into `cache` in the model's dtype (autocast leaves keys
-    fp32 but values bf16, which a static cache can't hold). Decode steps stay in the model's dtype."""
+    into a throwaway cache, its K/V then copied into `cache` in `dtype`, the decode steps' (autocast
+    leaves keys fp32 but values bf16, which a static cache can't hold). A bf16 model's own prefill is
+    slower on a CPU: its batched lm_head expands the weight per row (14 s of a 128-row prompt pass)."""
     scratch = DynamicCache()
     with torch.autocast(model.device.type, dtype=torch.bfloat16):
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=scratch,
                        use_cache=True, logits_to_keep=1).logits[:, -1]
     for i, layer in enumerate(scratch.layers):
-        cache.update(layer.keys.to(model.dtype), layer.values.to(model.dtype), i)
+        cache.update(layer.keys.to(dtype), layer.values.to(dtype), i)
     return logits.float()
 
 
@@ -127,7 +129,7 @@ def _finished(tokens: list[int], stop_ids: set[int]) -> Generation:
 def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
              temperature: float = 0.0, generator: torch.Generator | None = None,
              bf16_prefill: bool = False, graphs: bool = False, check_every: int = 16,
-             fuse: bool = False) -> list[Generation]:
+             fuse: bool = False, decode_model=None) -> list[Generation]:
     """Batched generation with left padding: prefill, then one `DecodeStep` per token (graphs: replayed
     as a CUDA graph; fuse: through torch.compile first, core/decode_step.py) until every row has hit a
     stop id (kept in its tokens) or max_new_tokens. Batch 1 is eval's greedy baseline. Tokens stay on
@@ -135,15 +137,19 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: lis
     ask waits for the device); rows keep decoding past their stop meanwhile, and those tokens are
     dropped. At T>0 the generator is then wound back to where a loop that stops at once would leave it,
     so neither check_every nor graphs changes what is drawn next (generator=None: the global RNG is not
-    wound back)."""
+    wound back). decode_model: the same target in another dtype (data_gen's bf16 copy: 2.3x faster decode
+    steps on a CPU with native bf16) runs the steps after `model`'s bf16 prefill."""
     if max_new_tokens < 1 or check_every < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens}, check_every = {check_every}; both must be >= 1")
+    if decode_model is not None and not bf16_prefill:
+        raise ValueError("decode_model needs bf16_prefill: only that prompt pass stores its K/V in another dtype")
+    decoder = decode_model if decode_model is not None else model
     device = model.device
     ids, mask, pos = left_padded(prompts, device)
     b, width = ids.shape
-    cache = new_cache(model, width + max_new_tokens)
-    logits, _ = prefill(model, cache, ids, mask, pos, bf16=bf16_prefill)
-    step = DecodeStep(model, cache, torch.cat([mask, mask.new_ones(b, max_new_tokens)], 1), pos[:, -1:] + 1, graphs,
+    cache = new_cache(decoder, width + max_new_tokens)
+    logits, _ = prefill(model, cache, ids, mask, pos, bf16=bf16_prefill, cache_dtype=decoder.dtype)
+    step = DecodeStep(decoder, cache, torch.cat([mask, mask.new_ones(b, max_new_tokens)], 1), pos[:, -1:] + 1, graphs,
                       fuse)
     out = torch.empty(b, max_new_tokens, dtype=torch.long, device=device)
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
