@@ -33,7 +33,7 @@ from train.loop import main as train_main  # noqa: E402
 STAGES = {"data_gen": data_gen_main, "extract": extract_main, "train": train_main, "eval": eval_main}
 FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores: ~290 on the AVX-512 Xeon, 103-174 on the AVX512-BF16 EPYC
 COMPACT = ["data_gen.num_samples=448", "train.epochs=4", "eval.max_new_tokens=64", "eval.max_prompts=12"]
-# MEDIUM on the AVX512-BF16 EPYC: 832 x 4 epochs took 13:57 (τ 1.502); data_gen's bf16 decode (1.45x) pays for more
+# MEDIUM on the AVX512-BF16 EPYC: 832 x 4 took 13:57 (τ 1.502); with data_gen decoding in bf16, 1024 x 5 took 15:07 (1.577)
 MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5", *COMPACT[2:]]
 
 
