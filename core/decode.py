@@ -14,6 +14,7 @@ slot past a query's position is masked, and the next write at that position over
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,12 @@ def verify(model, cache: StaticCache, tokens: list[int], start: int, aux_layers:
     logits, aux = target_forward(model, cache, torch.tensor([tokens], device=model.device), start,
                                  aux_layers=aux_layers)
     return logits[0], aux
+
+
+def bf16_copy(model):
+    """The target with its weights cast to bf16, for `generate`'s decode_model (config and attention
+    implementation carried over)."""
+    return copy.deepcopy(model).to(torch.bfloat16)
 
 
 def _prefill_bf16(model, cache: StaticCache, ids, mask, pos, dtype: torch.dtype) -> torch.Tensor:

@@ -6,7 +6,9 @@ bound, eager and replayed as CUDA graphs, beside HF `model.generate`; fails if t
 
 Paths: eager (data_gen.compile=no: every kernel launched from Python, the loop without graphs),
 graphs (data_gen.compile=yes, CUDA only), fused (data_gen.compile=fused: torch.compile, then graphs on CUDA;
-its rows equal to eager are reported, not required: fused bf16 arithmetic rounds differently), hf
+its rows equal to eager are reported, not required: fused bf16 arithmetic rounds differently), bf16
+(data_gen.mixed_precision=bf16 on a float32 target: the prompt pass under autocast, the steps on a bf16 copy
+of the weights; its rows equal to eager reported, not required; its bound counts bf16 weights), hf
 (`model.generate`, greedy, its dynamic cache). Random prompts of prompt-len/2..prompt-len tokens, left padded; no stop ids, so every row decodes
 new-tokens; T=0. A call is timed whole (prefill, graph capture, decode; what data_gen waits for),
 warm-up excluded, median of --repeats; decode ms/step leaves out a prefill timed alone. The bound:
@@ -26,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.config import load_config  # noqa: E402
-from core.decode import generate, left_padded, new_cache, prefill  # noqa: E402
+from core.decode import bf16_copy, generate, left_padded, new_cache, prefill  # noqa: E402
 from core.errors import UserError  # noqa: E402
 from core.target import load_target  # noqa: E402
 from scripts.benchmark import copy_bandwidth, measured, timed  # noqa: E402
@@ -42,8 +44,10 @@ def bound_seconds(model, lengths: list[int], new: int, bandwidth: float) -> floa
     return sum(weights + kv * sum(n + s for n in lengths) for s in range(1, new)) / bandwidth
 
 
-def one_path(model, path: str, prompts: list[list[int]], new: int):
-    """-> a function generating the tokens of every row along `path`."""
+def one_path(model, path: str, prompts: list[list[int]], new: int, decoder=None):
+    """-> a function generating the tokens of every row along `path` (bf16: `decoder` runs the steps)."""
+    if path == "bf16":
+        return lambda: [g.tokens for g in generate(model, prompts, new, [], bf16_prefill=True, decode_model=decoder)]
     if path != "hf":
         graphs = path == "graphs" or (path == "fused" and model.device.type == "cuda")
         return lambda: [g.tokens for g in generate(model, prompts, new, [], graphs=graphs, fuse=path == "fused")]
@@ -70,22 +74,27 @@ def profile_decode(model, b: int, prompt_len: int, new: int = 32) -> None:
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
 
 
-def bench_batch(model, paths: list[str], b: int, prompt_len: int, new: int, bandwidth: float, repeats: int) -> list[dict]:
+def bench_batch(model, paths: list[str], b: int, prompt_len: int, new: int, bandwidth: float, repeats: int,
+                decoder=None) -> list[dict]:
     prompts = random_prompts(model, b, prompt_len)
     lengths = [len(x) for x in prompts]
     ids, mask, pos = left_padded(prompts, model.device)
-    with torch.inference_mode():
-        t_prefill = timed(lambda: prefill(model, new_cache(model, ids.shape[1] + new), ids, mask, pos), model.device)
-    bound = bound_seconds(model, lengths, new, bandwidth)
+
+    def prefill_s(steps) -> float:  # the prompt pass alone, into the cache the steps use
+        with torch.inference_mode():
+            return timed(lambda: prefill(model, new_cache(steps, ids.shape[1] + new), ids, mask, pos,
+                                         bf16=steps is not model, cache_dtype=steps.dtype), model.device)
+
     rows, tokens = [], {}
     for path in paths:
+        steps = decoder if path == "bf16" else model
         row = {"path": path, "batch": b, "prompt_len": prompt_len, "new_tokens": new}
         try:
-            tokens[path], t = measured(one_path(model, path, prompts, new), model.device, repeats)
+            tokens[path], t = measured(one_path(model, path, prompts, new, decoder), model.device, repeats)
         except UserError as e:  # a graph capture that failed: reported, and the run exits 1
             rows.append({**row, "error": str(e)})
             continue
-        decode = max(t - t_prefill, 1e-9)
+        decode, bound = max(t - prefill_s(steps), 1e-9), bound_seconds(steps, lengths, new, bandwidth)
         rows.append({**row, "s_per_call": t, "tok_s": b * new / t, "decode_ms_per_step": 1e3 * decode / max(1, new - 1),
                      "of_bound": bound / decode})
     return [{**r, "rows_equal_eager": rows_equal(tokens.get(r["path"]), tokens.get("eager"))} for r in rows]
@@ -128,7 +137,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--paths", nargs="+", choices=["eager", "graphs", "fused", "hf"], default=None,
+    p.add_argument("--paths", nargs="+", choices=["eager", "graphs", "fused", "bf16", "hf"], default=None,
                    help="default: eager, graphs (CUDA only) and hf")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bandwidth", type=float, default=0.0, help="peak GB/s; 0 = measure a large copy")
@@ -142,6 +151,9 @@ def main() -> None:
     paths = args.paths or (["eager", "graphs", "hf"] if cuda else ["eager", "hf"])
     if "graphs" in paths and not cuda:
         p.error("--paths graphs needs a CUDA device")
+    if "bf16" in paths and model.dtype != torch.float32:
+        p.error("--paths bf16 is data_gen's bf16 decode of a float32 target: pass --dtype float32")
+    decoder = bf16_copy(model) if "bf16" in paths else None
     bandwidth = args.bandwidth * 1e9 or copy_bandwidth(model.device)
     name = torch.cuda.get_device_name(model.device) if cuda else f"{torch.get_num_threads()} threads"
     print(f"{args.target} {model.dtype} on {model.device} ({name}), bandwidth {bandwidth / 1e9:.0f} GB/s"
@@ -149,7 +161,7 @@ def main() -> None:
     if args.profile and cuda:
         profile_decode(model, args.profile, args.prompt_len)
     rows = [r for b in args.batch for r in bench_batch(model, paths, b, args.prompt_len, args.new_tokens, bandwidth,
-                                                        args.repeats)]
+                                                        args.repeats, decoder)]
     print(report(rows))
     bad = [r for r in rows if r["path"] == "graphs" and ("error" in r or mismatch(r))]
     if args.out:

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from core.chat import prompt_ids
-from core.decode import generate, speculative_generate
+from core.decode import bf16_copy, generate, speculative_generate
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.target import end_of_turn_ids, load_target
-from data_gen.hf_backend import _bf16_copy
 from eval.report import common_prefix, summarize, write_report
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
@@ -54,7 +53,7 @@ def test_bf16_prefill_continues_the_fp32_cache_correctly():
     model, tok = load_target(load_config(ROOT / "configs/smollm2-135m-instruct.yaml"))
     prompts = [prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
     stop = end_of_turn_ids(tok, model.generation_config)
-    for decoder in (None, _bf16_copy(model)):
+    for decoder in (None, bf16_copy(model)):
         for p, g in zip(prompts, generate(model, prompts, 16, stop, bf16_prefill=True, decode_model=decoder),
                         strict=True):
             with torch.no_grad():  # fp32 logits at every generated position, teacher-forced
@@ -62,7 +61,7 @@ def test_bf16_prefill_continues_the_fp32_cache_correctly():
             gap = logits.max(-1).values - logits.gather(-1, torch.tensor(g.tokens)[:, None])[:, 0]
             assert len(g.tokens) >= 8 and float(gap.max()) < 0.5, (decoder is None, gap.tolist())
     with pytest.raises(ValueError, match="decode_model needs bf16_prefill"):
-        generate(model, prompts, 4, stop, decode_model=_bf16_copy(model))
+        generate(model, prompts, 4, stop, decode_model=bf16_copy(model))
 
 
 def test_speculative_equals_greedy_with_untrained_drafter(target):

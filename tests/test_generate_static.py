@@ -185,3 +185,20 @@ def test_bench_compares_a_path_listed_before_eager(tiny):
     assert [(r["path"], r["rows_equal_eager"]) for r in rows] == [("hf", 2), ("eager", 2)]
     assert not mismatch({"path": "graphs", "batch": 2, "rows_equal_eager": None})
     assert mismatch({"path": "graphs", "batch": 2, "rows_equal_eager": 1})
+
+
+def test_bench_bf16_path_times_data_gens_bf16_decode(tiny):
+    """The benchmark's bf16 path is data_gen's mixed_precision=bf16 (autocast prompt pass, steps on a bf16
+    copy): it runs, its rows are compared with eager's, and its bound counts bf16 weights (half the bytes)."""
+    from core.decode import bf16_copy
+    from scripts.bench_generate import bench_batch, bound_seconds
+
+    model, _ = tiny
+    decoder = bf16_copy(model)
+    assert decoder.dtype == torch.bfloat16 and model.dtype == torch.float32  # the target itself is untouched
+    rows = {r["path"]: r for r in bench_batch(model, ["eager", "bf16"], 2, 8, 3, 1e10, 1, decoder)}
+    assert rows["bf16"]["rows_equal_eager"] is not None and 0 <= rows["bf16"]["rows_equal_eager"] <= 2
+    assert rows["bf16"]["tok_s"] > 0 and rows["bf16"]["of_bound"] > 0
+    weights = sum(p.numel() for p in model.parameters())
+    lengths = [8, 8]
+    assert bound_seconds(model, lengths, 3, 1e10) - bound_seconds(decoder, lengths, 3, 1e10) > 2 * weights * 2 / 1e10 * 0.99
