@@ -53,6 +53,11 @@ def test_bf16_prefill_continues_the_fp32_cache_correctly():
     model, tok = load_target(load_config(ROOT / "configs/smollm2-135m-instruct.yaml"))
     prompts = [prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
     stop = end_of_turn_ids(tok, model.generation_config)
+    fp32 = generate(model, prompts, 16, stop)
+    bf16 = generate(model, prompts, 16, stop, bf16_prefill=True)  # fp32 steps: mostly fp32 greedy's very tokens
+    agree = [next((i for i, (a, b) in enumerate(zip(x.tokens, y.tokens, strict=False)) if a != b), len(x.tokens))
+             for x, y in zip(fp32, bf16, strict=True)]
+    assert sum(agree) >= 0.8 * sum(len(x.tokens) for x in fp32) and min(agree) >= 4, agree
     for decoder in (None, bf16_copy(model)):
         for p, g in zip(prompts, generate(model, prompts, 16, stop, bf16_prefill=True, decode_model=decoder),
                         strict=True):
