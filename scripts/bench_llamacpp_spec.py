@@ -2,10 +2,14 @@
 engine's τ on the same prompt token ids (greedy, batch 1, concurrency 1).
 
     python scripts/bench_llamacpp_spec.py --drafter runs/smollm2-135m-instruct/drafter \
-        [--prompts heldout|FILE.jsonl] [--k 2,3,5,7] [--outtype f32,f16,q8_0] [--max-prompts 16]
+        [--prompts heldout|FILE.jsonl] [--k 2,3,5,7] [--outtype f32,f16,q8_0] [--max-prompts 16] \
+        [--target-outtype q4_1|f16|bf16|f32]
 
-The target is the embedded SmolLM2 GGUF (Q4_1) that our fp32 target is dequantized from; the drafter
-is converted by llama.cpp's own convert_hf_to_gguf.py. τ (llama.cpp) = 1 + Δaccepted / Δdrafts from
+The target is the embedded SmolLM2 GGUF (Q4_1) that our fp32 target is dequantized from, or
+(--target-outtype f16 ...) that dequantized target converted back by llama.cpp's own
+convert_hf_to_gguf.py, as the drafter is. Why both: on a few CPU cores a Q4_1 token is bound by the
+arithmetic, so verifying K+1 tokens costs about K+1 tokens; an f16 token is bound by reading its
+weights, which K+1 tokens share, as a large target's are on a GPU. τ (llama.cpp) = 1 + Δaccepted / Δdrafts from
 its /metrics counters; τ (ours) = mean tokens per verification of core.decode.speculative_generate.
 Tokens/s = the server's own decode timing (predicted_n / predicted_ms), summed over prompts.
 Cost: a speculative cycle (K draft steps + one verification) takes τ / spec tok/s; in base-token
@@ -30,7 +34,7 @@ from core.target import (  # noqa: E402
     embedded_gguf_path,
     resolve_target,
 )
-from eval.llamacpp import convert_drafter, llamacpp_tree  # noqa: E402
+from eval.llamacpp import convert_drafter, convert_to_gguf, llamacpp_tree  # noqa: E402
 from eval.llamacpp_server import LlamaServer, build_server, complete, spec_counters  # noqa: E402
 from eval.run import load_engine  # noqa: E402
 
@@ -62,6 +66,8 @@ def main() -> int:
     ap.add_argument("--outtype", default="f32")
     ap.add_argument("--max-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--target-outtype", default="q4_1", choices=["q4_1", "f16", "bf16", "f32"],
+                    help="q4_1: the embedded GGUF; else our target converted by llama.cpp's converter")
     args = ap.parse_args()
     cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
     model, tok, drafter, stop = load_engine(cfg, args.drafter)
@@ -70,10 +76,16 @@ def main() -> int:
     cache = cache_root(cfg)
     tree = llamacpp_tree(cache)
     binary = build_server(tree, cache)
-    target_gguf = embedded_gguf_path()
+    tmp = tempfile.TemporaryDirectory()
+    if args.target_outtype == "q4_1":
+        target_gguf = embedded_gguf_path()
+    else:
+        target_gguf = convert_to_gguf(tree, resolve_target(cfg), Path(tmp.name) / f"target-{args.target_outtype}.gguf",
+                                      args.target_outtype)
     with LlamaServer(binary, target_gguf) as url:
         base_out, base_tps, _ = run_server(url, items, n)
-    print(f"base llama-server: {base_tps:.1f} tok/s decode, {len(items)} prompts x <= {n} tokens", flush=True)
+    print(f"base llama-server ({target_gguf.name}): {base_tps:.1f} tok/s decode, {len(items)} prompts x <= {n} "
+          "tokens", flush=True)
     print("| drafter GGUF | K | τ llama.cpp | per-position acceptance | τ ours (HF engine) | spec tok/s | speedup "
           "| cycle in base tokens = break-even τ | outputs equal base |\n|---|---|---|---|---|---|---|---|---|",
           flush=True)
@@ -82,9 +94,9 @@ def main() -> int:
     for k in ks:
         lengths = [a for _, ids in items for a in speculative_generate(model, drafter, ids, n, stop, k).accept_lengths]
         ours[k] = sum(lengths) / max(1, len(lengths))
-    with tempfile.TemporaryDirectory() as tmp:
+    with tmp:
         for outtype in args.outtype.split(","):
-            gguf = convert_drafter(tree, Path(args.drafter), resolve_target(cfg), Path(tmp) / f"draft-{outtype}.gguf",
+            gguf = convert_drafter(tree, Path(args.drafter), resolve_target(cfg), Path(tmp.name) / f"draft-{outtype}.gguf",
                                    outtype)
             size = gguf.stat().st_size / 1e6
             cycles = []
