@@ -76,17 +76,20 @@ class LlamaServer:
     """`with LlamaServer(binary, target_gguf, draft_gguf=..., k=5) as url:` a llama-server on a free
     loopback port, ready (/health 200) on entry, stopped on exit. draft_gguf=None: the base server.
     `parallel` slots of `ctx` tokens each; chat requests use the GGUF's own template (--jinja);
-    `threads` compute threads (server_threads: None = $OMP_NUM_THREADS, else 2)."""
+    `threads` compute threads (server_threads: None = $OMP_NUM_THREADS, else 2). p_min 0: always K drafts
+    (τ comparable with our engine's chain); > 0: llama.cpp stops drafting at a draft whose probability is
+    below it (no draft at all: a plain decode step), its own way of spending less on unsure drafts."""
 
     def __init__(self, binary: Path, target_gguf: Path, draft_gguf: Path | None = None, k: int = 5,
-                 threads: int | None = None, parallel: int = 1, ctx: int = 4096, timeout: float = 120.0):
+                 threads: int | None = None, parallel: int = 1, ctx: int = 4096, timeout: float = 120.0,
+                 p_min: float = 0.0):
         self.port, self.timeout = _free_port(), timeout
         threads = server_threads(threads)
         self.cmd = [str(binary), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(self.port), "--jinja",
                     "--metrics", "-np", str(parallel), "-c", str(ctx * parallel), "-t", str(threads)]
         if draft_gguf is not None:
             self.cmd += ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
-                         "--spec-draft-p-min", "0"]
+                         "--spec-draft-p-min", str(p_min)]
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 

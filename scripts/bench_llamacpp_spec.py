@@ -3,7 +3,7 @@ engine's τ on the same prompt token ids (greedy, batch 1, concurrency 1).
 
     python scripts/bench_llamacpp_spec.py --drafter runs/smollm2-135m-instruct/drafter \
         [--prompts heldout|FILE.jsonl] [--k 2,3,5,7] [--outtype f32,f16,q8_0] [--max-prompts 16] \
-        [--target-outtype q4_1|f16|bf16|f32]
+        [--target-outtype q4_1|f16|bf16|f32] [--p-min 0,0.5,0.8] [--no-ours]
 
 The target is the embedded SmolLM2 GGUF (Q4_1) that our fp32 target is dequantized from, or
 (--target-outtype f16 ...) that dequantized target converted back by llama.cpp's own
@@ -15,7 +15,9 @@ Tokens/s = the server's own decode timing (predicted_n / predicted_ms), summed o
 Cost: a speculative cycle (K draft steps + one verification) takes τ / spec tok/s; in base-token
 times that is the break-even τ at this K (the τ at which spec is as fast as base). A line fitted
 through the K values splits it into a fixed part and a cost per drafted token (draft step + its
-share of the verification).
+share of the verification). --p-min > 0 lets llama.cpp stop drafting at an unsure draft (no draft: a
+plain decode step): fewer wasted drafts and verify rows, so its speedup can beat the fixed-K one; its τ
+then counts only the cycles that drafted, so only p_min 0 is compared with ours and fitted.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--target-outtype", default="q4_1", choices=["q4_1", "f16", "bf16", "f32"],
                     help="q4_1: the embedded GGUF; else our target converted by llama.cpp's converter")
+    ap.add_argument("--p-min", default="0", help="comma list of llama.cpp's --spec-draft-p-min values")
+    ap.add_argument("--no-ours", action="store_true", help="skip our engine's τ (slow on a CPU)")
     args = ap.parse_args()
     cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
     model, tok, drafter, stop = load_engine(cfg, args.drafter)
@@ -86,12 +90,12 @@ def main() -> int:
         base_out, base_tps, _ = run_server(url, items, n)
     print(f"base llama-server ({target_gguf.name}): {base_tps:.1f} tok/s decode, {len(items)} prompts x <= {n} "
           "tokens", flush=True)
-    print("| drafter GGUF | K | τ llama.cpp | per-position acceptance | τ ours (HF engine) | spec tok/s | speedup "
-          "| cycle in base tokens = break-even τ | outputs equal base |\n|---|---|---|---|---|---|---|---|---|",
+    print("| drafter GGUF | p_min | K | τ llama.cpp | per-position acceptance | τ ours (HF engine) | spec tok/s | speedup "
+          "| cycle in base tokens = break-even τ | outputs equal base |\n|---|---|---|---|---|---|---|---|---|---|",
           flush=True)
     ks = [int(k) for k in args.k.split(",")]
     ours = {}
-    for k in ks:
+    for k in [] if args.no_ours else ks:
         lengths = [a for _, ids in items for a in speculative_generate(model, drafter, ids, n, stop, k).accept_lengths]
         ours[k] = sum(lengths) / max(1, len(lengths))
     with tmp:
@@ -99,24 +103,26 @@ def main() -> int:
             gguf = convert_drafter(tree, Path(args.drafter), resolve_target(cfg), Path(tmp.name) / f"draft-{outtype}.gguf",
                                    outtype)
             size = gguf.stat().st_size / 1e6
-            cycles = []
-            for k in ks:
-                with LlamaServer(binary, target_gguf, gguf, k=k) as url:
-                    before = spec_counters(url)
-                    outs, tps, _ = run_server(url, items, n)
-                    after = spec_counters(url)
-                drafts = after["drafts"] - before["drafts"]
-                tau = 1 + (after["accepted"] - before["accepted"]) / max(1.0, drafts)
-                pos = " ".join(f"{(a - b) / max(1.0, drafts):.2f}" for a, b in
-                               zip(after["accepted_per_pos"], before["accepted_per_pos"] + [0.0] * k, strict=False))
-                same = sum(o == b for o, b in zip(outs, base_out, strict=True))
-                cycles.append(tau * base_tps / tps)
-                print(f"| {outtype} ({size:.1f} MB) | {k} | {tau:.3f} | {pos} | {ours[k]:.3f} | {tps:.1f} | "
-                      f"{tps / base_tps:.2f}x | {cycles[-1]:.2f} | {same}/{len(items)} |", flush=True)
-            if len(ks) > 1:
-                slope, fixed = linear_fit(ks, cycles)
-                print(f"{outtype}: cycle ≈ {fixed:.2f} + {slope:.2f} x K base tokens (fixed part + cost per drafted "
-                      "token)", flush=True)
+            for p_min in [float(p) for p in args.p_min.split(",")]:
+                cycles = []
+                for k in ks:
+                    with LlamaServer(binary, target_gguf, gguf, k=k, p_min=p_min) as url:
+                        before = spec_counters(url)
+                        outs, tps, _ = run_server(url, items, n)
+                        after = spec_counters(url)
+                    drafts = after["drafts"] - before["drafts"]
+                    tau = 1 + (after["accepted"] - before["accepted"]) / max(1.0, drafts)
+                    pos = " ".join(f"{(a - b) / max(1.0, drafts):.2f}" for a, b in
+                                   zip(after["accepted_per_pos"], before["accepted_per_pos"] + [0.0] * k, strict=False))
+                    same = sum(o == b for o, b in zip(outs, base_out, strict=True))
+                    cycles.append(tau * base_tps / tps)
+                    theirs = f"{ours[k]:.3f}" if k in ours else "-"
+                    print(f"| {outtype} ({size:.1f} MB) | {p_min:g} | {k} | {tau:.3f} | {pos} | {theirs} | {tps:.1f} | "
+                          f"{tps / base_tps:.2f}x | {cycles[-1]:.2f} | {same}/{len(items)} |", flush=True)
+                if len(ks) > 1 and p_min == 0:
+                    slope, fixed = linear_fit(ks, cycles)
+                    print(f"{outtype}: cycle ≈ {fixed:.2f} + {slope:.2f} x K base tokens (fixed part + cost per "
+                          "drafted token)", flush=True)
     return 0
 
 

@@ -115,3 +115,19 @@ def test_aux_layers_read_one_off_break_the_agreement(served, tmp_path):
     with LlamaServer(server_binary(cache), target, gguf, k=3) as url:
         theirs = llamacpp_accepted(run_level(url, items, 16, 1, "llamacpp")["rows"])
     assert sum(theirs.values()) < 0.8 * sum(ours.values()), (theirs, ours)
+
+
+def test_p_min_reaches_llamacpp_and_keeps_its_outputs(served):
+    """LlamaServer(p_min=...) is llama.cpp's own early stop: a draft whose probability is below p_min ends
+    the chain. Above 1 no draft can pass, so the speculative server must draft nothing and still write
+    what it writes with drafts (p_min 0, `served`'s level 1); this fails if the value never reaches it."""
+    cfg, run_dir, prompts, report = served
+    cache = cache_root(cfg)
+    items = eval_prompt_ids(cfg, load_tokenizer(cfg), str(prompts))
+    target, gguf = run_dir / "eval/llamacpp/target-f32.gguf", next((run_dir / "eval/llamacpp").glob("drafter-*.gguf"))
+    with LlamaServer(server_binary(cache), target, gguf, k=3, p_min=1.01) as url:
+        rows = run_level(url, items, report["server"]["max_new_tokens"], 1, "llamacpp")["rows"]
+    assert sum(r["timings"].get("draft_n", 0) for r in rows) == 0  # llama.cpp leaves the key out when it drafted nothing
+    level1 = report["server"]["levels"][0]["spec"]["rows"]
+    assert sum(r["timings"]["draft_n"] for r in level1) > 0  # the same server at p_min 0 drafted
+    assert [r["text"] for r in rows] == [r["text"] for r in level1]
