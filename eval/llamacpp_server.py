@@ -82,7 +82,7 @@ class LlamaServer:
 
     def __init__(self, binary: Path, target_gguf: Path, draft_gguf: Path | None = None, k: int = 5,
                  threads: int | None = None, parallel: int = 1, ctx: int = 4096, timeout: float = 120.0,
-                 p_min: float = 0.0):
+                 p_min: float = 0.0, extra_args: tuple[str, ...] = ()):
         self.port, self.timeout = _free_port(), timeout
         threads = server_threads(threads)
         self.cmd = [str(binary), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(self.port), "--jinja",
@@ -90,6 +90,7 @@ class LlamaServer:
         if draft_gguf is not None:
             self.cmd += ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
                          "--spec-draft-p-min", str(p_min)]
+        self.cmd += list(extra_args)  # any other llama-server flags, e.g. ("-fa", "on")
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 

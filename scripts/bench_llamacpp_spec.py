@@ -3,7 +3,7 @@ engine's τ on the same prompt token ids (greedy, batch 1, concurrency 1).
 
     python scripts/bench_llamacpp_spec.py --drafter runs/smollm2-135m-instruct/drafter \
         [--prompts heldout|FILE.jsonl] [--k 2,3,5,7] [--outtype f32,f16,q8_0] [--max-prompts 16] \
-        [--target-outtype q4_1|f16|bf16|f32] [--p-min 0,0.5,0.8] [--no-ours]
+        [--target-outtype q4_1|f16|bf16|f32] [--p-min 0,0.5,0.8] [--server-args "--poll 100"] [--no-ours]
 
 The target is the embedded SmolLM2 GGUF (Q4_1) that our fp32 target is dequantized from, or
 (--target-outtype f16 ...) that dequantized target converted back by llama.cpp's own
@@ -71,6 +71,8 @@ def main() -> int:
     ap.add_argument("--target-outtype", default="q4_1", choices=["q4_1", "f16", "bf16", "f32"],
                     help="q4_1: the embedded GGUF; else our target converted by llama.cpp's converter")
     ap.add_argument("--p-min", default="0", help="comma list of llama.cpp's --spec-draft-p-min values")
+    ap.add_argument("--target-gguf", default="", help="a target GGUF already converted (instead of --target-outtype)")
+    ap.add_argument("--server-args", default="", help="more llama-server flags for both servers, e.g. '--poll 100'")
     ap.add_argument("--no-ours", action="store_true", help="skip our engine's τ (slow on a CPU)")
     args = ap.parse_args()
     cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
@@ -81,12 +83,15 @@ def main() -> int:
     tree = llamacpp_tree(cache)
     binary = build_server(tree, cache)
     tmp = tempfile.TemporaryDirectory()
-    if args.target_outtype == "q4_1":
+    if args.target_gguf:
+        target_gguf = Path(args.target_gguf)
+    elif args.target_outtype == "q4_1":
         target_gguf = embedded_gguf_path()
     else:
         target_gguf = convert_to_gguf(tree, resolve_target(cfg), Path(tmp.name) / f"target-{args.target_outtype}.gguf",
                                       args.target_outtype)
-    with LlamaServer(binary, target_gguf) as url:
+    extra = tuple(args.server_args.split())
+    with LlamaServer(binary, target_gguf, extra_args=extra) as url:
         base_out, base_tps, _ = run_server(url, items, n)
     print(f"base llama-server ({target_gguf.name}): {base_tps:.1f} tok/s decode, {len(items)} prompts x <= {n} "
           "tokens", flush=True)
@@ -106,7 +111,7 @@ def main() -> int:
             for p_min in [float(p) for p in args.p_min.split(",")]:
                 cycles = []
                 for k in ks:
-                    with LlamaServer(binary, target_gguf, gguf, k=k, p_min=p_min) as url:
+                    with LlamaServer(binary, target_gguf, gguf, k=k, p_min=p_min, extra_args=extra) as url:
                         before = spec_counters(url)
                         outs, tps, _ = run_server(url, items, n)
                         after = spec_counters(url)
