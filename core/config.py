@@ -179,6 +179,9 @@ class EvalConfig:
     gguf_outtype: str = _f("f32", "f32 | f16 | q8_0: the drafter GGUF (and a converted target GGUF) for llamacpp")
     target_gguf: str = _f("", "target GGUF for llamacpp (default: the embedded Q4_1 file for SmolLM2, else the "
                               "target converted by llama.cpp's converter into the eval dir)")
+    target_outtype: str = _f("", "when target_gguf is unset: f32 | f16 | bf16 | q8_0 converts the target at this "
+                                 "type for llamacpp instead of the default above (on a CPU a drafter pays against an "
+                                 "unquantized target, whose tokens are bound by reading weights: docs/PERFORMANCE.md)")
 
 
 @dataclass

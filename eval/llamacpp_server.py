@@ -157,23 +157,31 @@ def server_binary(cache: Path) -> Path:
     return build_server(llamacpp_tree(cache), cache)
 
 
-@contextlib.contextmanager
-def served_by_llamacpp(cache: Path, target_dir: Path, draft_dir: Path, work_dir: Path, k: int, parallel: int,
-                       outtype: str = "f32", target_gguf: str = "", target_name: str = ""):
-    """Convert the drafter (and, unless given or embedded, the target) with llama.cpp's converter into
-    work_dir, start a base and a speculative llama-server with `parallel` slots, yield their URLs."""
+def target_gguf_choice(target_gguf: str, target_name: str, target_outtype: str, outtype: str) -> tuple[Path | None, str]:
+    """The target GGUF llama.cpp serves -> (a file to use, "") or (None, the type to convert our target at):
+    eval.target_gguf as given; else SmolLM2's embedded Q4_1 file (ours is dequantized from it) unless
+    eval.target_outtype asks for a conversion; else a conversion at target_outtype or the drafter's outtype."""
     from core.target import SMOLLM2, embedded_gguf_path
 
+    if target_gguf:
+        return Path(target_gguf), ""
+    if target_name == SMOLLM2 and not target_outtype:
+        return embedded_gguf_path(), ""
+    return None, target_outtype or outtype
+
+
+@contextlib.contextmanager
+def served_by_llamacpp(cache: Path, target_dir: Path, draft_dir: Path, work_dir: Path, k: int, parallel: int,
+                       outtype: str = "f32", target_gguf: str = "", target_name: str = "", target_outtype: str = ""):
+    """Convert the drafter (and the target, where `target_gguf_choice` says so) with llama.cpp's converter
+    into work_dir, start a base and a speculative llama-server with `parallel` slots, yield their URLs."""
     binary = server_binary(cache)
     tree = llamacpp_tree(cache)
     work_dir = Path(work_dir)
     draft_gguf = convert_drafter(tree, draft_dir, target_dir, work_dir / f"drafter-{outtype}.gguf", outtype)
-    if target_gguf:
-        target = Path(target_gguf)
-    elif target_name == SMOLLM2:
-        target = embedded_gguf_path()  # the file our fp32 target is dequantized from
-    else:
-        target = convert_to_gguf(tree, target_dir, work_dir / f"target-{outtype}.gguf", outtype)
+    target, convert_at = target_gguf_choice(target_gguf, target_name, target_outtype, outtype)
+    if target is None:
+        target = convert_to_gguf(tree, target_dir, work_dir / f"target-{convert_at}.gguf", convert_at)
     log.info("llama.cpp: target %s, drafter %s (aux layers %s), K=%d, %d slots", target, draft_gguf,
              gguf_target_layers(draft_gguf), k, parallel)
     with (LlamaServer(binary, target, parallel=parallel) as base,

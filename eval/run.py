@@ -170,7 +170,7 @@ def evaluate(cfg: RunConfig, prompts: str | None, draft_dir: Path, out_dir: Path
             gguf_dir = out_dir / "llamacpp"
             with served_by_llamacpp(cache_root(cfg), resolve_target(cfg), draft_dir, gguf_dir, k,
                                     max(ev.concurrency), ev.gguf_outtype, ev.target_gguf,
-                                    cfg.target.model) as (base_url, spec_url):
+                                    cfg.target.model, ev.target_outtype) as (base_url, spec_url):
                 server = compare_servers(base_url, spec_url, items, n, ev.concurrency, "llamacpp")
             report.update({"hf_engine": {key: report[key] for key in hf}, **server_summary(server, k),
                            "device": "llama.cpp b11434 llama-server, CPU", "server": server})

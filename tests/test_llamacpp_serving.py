@@ -131,3 +131,18 @@ def test_p_min_reaches_llamacpp_and_keeps_its_outputs(served):
     level1 = report["server"]["levels"][0]["spec"]["rows"]
     assert sum(r["timings"]["draft_n"] for r in level1) > 0  # the same server at p_min 0 drafted
     assert [r["text"] for r in rows] == [r["text"] for r in level1]
+
+
+def test_target_gguf_choice_follows_the_eval_keys(tmp_path):
+    """eval.target_gguf wins; SmolLM2 serves its embedded Q4_1 file unless eval.target_outtype asks for a
+    conversion (the f32 target is where a drafter pays on a CPU); other targets convert at that type or at
+    the drafter's eval.gguf_outtype."""
+    from core.target import SMOLLM2, embedded_gguf_path
+    from eval.llamacpp_server import target_gguf_choice
+
+    given = tmp_path / "t.gguf"
+    assert target_gguf_choice(str(given), SMOLLM2, "f32", "q8_0") == (given, "")
+    assert target_gguf_choice("", SMOLLM2, "", "q8_0") == (embedded_gguf_path(), "")
+    assert target_gguf_choice("", SMOLLM2, "f32", "q8_0") == (None, "f32")
+    assert target_gguf_choice("", "tiny-random-llama", "", "q8_0") == (None, "q8_0")
+    assert target_gguf_choice("", "tiny-random-llama", "f16", "q8_0") == (None, "f16")
