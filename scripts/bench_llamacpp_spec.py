@@ -33,11 +33,16 @@ from core.config import load_config  # noqa: E402
 from core.decode import speculative_generate  # noqa: E402
 from core.target import (  # noqa: E402
     cache_root,
-    embedded_gguf_path,
     resolve_target,
 )
 from eval.llamacpp import convert_drafter, convert_to_gguf, llamacpp_tree  # noqa: E402
-from eval.llamacpp_server import LlamaServer, build_server, complete, spec_counters  # noqa: E402
+from eval.llamacpp_server import (  # noqa: E402
+    LlamaServer,
+    build_server,
+    complete,
+    spec_counters,
+    target_gguf_choice,
+)
 from eval.run import load_engine  # noqa: E402
 
 
@@ -83,13 +88,11 @@ def main() -> int:
     tree = llamacpp_tree(cache)
     binary = build_server(tree, cache)
     tmp = tempfile.TemporaryDirectory()
-    if args.target_gguf:
-        target_gguf = Path(args.target_gguf)
-    elif args.target_outtype == "q4_1":
-        target_gguf = embedded_gguf_path()
-    else:
-        target_gguf = convert_to_gguf(tree, resolve_target(cfg), Path(tmp.name) / f"target-{args.target_outtype}.gguf",
-                                      args.target_outtype)
+    convert = "" if args.target_outtype == "q4_1" else args.target_outtype  # q4_1: the embedded file
+    target_gguf, convert_at = target_gguf_choice(args.target_gguf, cfg.target.model, convert, convert)
+    if target_gguf is None:
+        target_gguf = convert_to_gguf(tree, resolve_target(cfg), Path(tmp.name) / f"target-{convert_at}.gguf",
+                                      convert_at)
     extra = tuple(args.server_args.split())
     with LlamaServer(binary, target_gguf, extra_args=extra) as url:
         base_out, base_tps, _ = run_server(url, items, n)
