@@ -160,6 +160,9 @@ class TrainConfig:
                             f"({self.max_len})")
 
 
+GGUF_OUTTYPES = ("f32", "f16", "bf16", "q8_0", "tq1_0", "tq2_0", "auto")  # convert_hf_to_gguf.py b11434 --outtype
+
+
 @dataclass
 class EvalConfig:
     prompts: str = _f("heldout", "heldout (held-out ShareGPT) or a .jsonl file (MT-Bench / prompt / ShareGPT)")
@@ -182,6 +185,13 @@ class EvalConfig:
     target_outtype: str = _f("", "when target_gguf is unset: f32 | f16 | bf16 | q8_0 converts the target at this "
                                  "type for llamacpp instead of the default above (on a CPU a drafter pays against an "
                                  "unquantized target, whose tokens are bound by reading weights: docs/PERFORMANCE.md)")
+
+    def __post_init__(self):
+        """Outtypes llama.cpp's converter takes, checked here: a typo would otherwise fail after the whole HF eval."""
+        for key, allowed in (("gguf_outtype", GGUF_OUTTYPES), ("target_outtype", ("", *GGUF_OUTTYPES))):
+            if getattr(self, key) not in allowed:
+                raise UserError(f"eval.{key} = {getattr(self, key)!r}: must be one of {' | '.join(map(repr, allowed))} "
+                                "(llama.cpp's convert_hf_to_gguf.py --outtype)")
 
 
 @dataclass

@@ -86,6 +86,8 @@ def test_check_compat_refuses_a_missing_or_different_key(tmp_path):
     ("extract.aux_layers=[2,-1,5]", "extract.aux_layers = [2, -1, 5]: must be >= 0"),
     ("eval.max_prompts=0", "eval.max_prompts = 0"), ("eval.max_new_tokens=0", "eval.max_new_tokens = 0"),
     ("train.pack_length=127", "train.pack_length = 127: must be 0 (off) or >= train.max_len (128)"),
+    ("eval.target_outtype=q3", "eval.target_outtype = 'q3': must be one of '' | 'f32'"),
+    ("eval.gguf_outtype=fp16", "eval.gguf_outtype = 'fp16': must be one of 'f32' | 'f16'"),
 ])
 def test_values_out_of_range_name_the_key_at_load(override, says):
     with pytest.raises(ValueError, match=re.escape(says)) as e:
