@@ -60,10 +60,11 @@ class DataGenConfig:
     batch_size: int = _f(16, "prompts generated together (hf backend)", ge=1)
     mixed_precision: str = _f("no", "auto | no | bf16: prompt prefill under bf16 autocast and decode steps with a "
                                     "bf16 copy of the weights (hf backend); auto = where the device has native bf16")
-    compile: str = _f("auto", "auto | yes | no | fused: replay each decode step as a CUDA graph (hf backend; the "
-                              "same kernels, so the same tokens, hundreds of launches fewer); auto = on CUDA; fused "
-                              "= torch.compile the step first (its small kernels fused; bf16 tokens may differ "
-                              "from the eager loop's by rounding), as a graph on CUDA")
+    compile: str = _f("auto", "auto | yes | no | fused | exact: replay each decode step as a CUDA graph (hf "
+                              "backend; the same kernels, so the same tokens, hundreds of launches fewer); auto = "
+                              "on CUDA; fused = torch.compile the step first (its small kernels fused; bf16 tokens "
+                              "may differ from the eager loop's by rounding), as a graph on CUDA; exact = fuse only "
+                              "what rounds as eager does (norms, SiLU, RoPE tables stay ATen's)")
     part_samples: int = _f(64, "samples per committed parquet part (resume granularity)", ge=1)
     base_url: str = _f("", "server root incl. /v1, e.g. http://127.0.0.1:30000/v1 (openai backend)")
     model_name: str = _f("", "model name sent to the server (default: target.model)")

@@ -136,9 +136,9 @@ def _finished(tokens: list[int], stop_ids: set[int]) -> Generation:
 def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
              temperature: float = 0.0, generator: torch.Generator | None = None,
              bf16_prefill: bool = False, graphs: bool = False, check_every: int = 16,
-             fuse: bool = False, decode_model=None) -> list[Generation]:
+             fuse: str = "", decode_model=None) -> list[Generation]:
     """Batched generation with left padding: prefill, then one `DecodeStep` per token (graphs: replayed
-    as a CUDA graph; fuse: through torch.compile first, core/decode_step.py) until every row has hit a
+    as a CUDA graph; fuse: "fused" or "exact" through torch.compile first, core/decode_step.py) until every row has hit a
     stop id (kept in its tokens) or max_new_tokens. Batch 1 is eval's greedy baseline. Tokens stay on
     the device until the end, and "is every row done?" is asked only every `check_every` steps (each
     ask waits for the device); rows keep decoding past their stop meanwhile, and those tokens are

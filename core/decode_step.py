@@ -5,9 +5,15 @@ Why a CUDA graph: a decode step of a small target is hundreds of small kernels l
 from Python through HF's 30-layer forward, so on a GPU it costs the launches, not the math
 (SmolLM2 at batch 256 on an H200: 77 ms a step). A captured graph launches the very same kernels in
 one call, so its logits are bitwise the eager step's, which torch.compile's fusions would not promise.
-`fuse` (data_gen.compile=fused) first passes the step through torch.compile: those few hundred kernels
-(RoPE, norms, casts, cache copies; ~7 ms of a 10.7 ms step at batch 256 on an H200) become a few dozen,
-but fused arithmetic rounds differently, so bf16 tokens may part from the eager loop's: opt-in.
+`fuse` passes the step through torch.compile first. "fused" (data_gen.compile=fused): those few hundred
+kernels (RoPE, norms, casts, cache copies; ~7 ms of a 10.7 ms step at batch 256 on an H200) become a few
+dozen, but fused arithmetic rounds differently, so bf16 tokens may part from the eager loop's: opt-in.
+"exact" (data_gen.compile=exact) fuses only what it can round as eager does: inductor rounds every bf16
+intermediate as the eager op would (its emulate_precision_casts), so the elementwise chains (RoPE,
+residual adds, SiLU(gate) * up, casts, cache writes) fuse with the same bits, and the kernels whose
+arithmetic inductor would do differently stay ATen's, called from the compiled step: the RMSNorms
+(a reduction in another order), SiLU (x * sigmoid(x) is not ATen's x / (1 + exp(-x))) and the rotary
+table (cos/sin).
 What makes one capture replayable: every input sits at a fixed address and everything that changes
 between steps changes on the device. The token is copied into `token`; the positions and the static
 cache's write slot (transformers' StaticLayer.cumulative_length, which its update advances in place)
@@ -16,6 +22,7 @@ move by one inside the step; the padding mask spans the whole cache from the sta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -24,17 +31,22 @@ from transformers import StaticCache
 from core.errors import UserError
 
 FUSE_BACKEND = "inductor"  # the CPU test traces with "aot_eager": the same capture, no kernel generation
+FUSE_MODES = ("", "fused", "exact")  # "": no torch.compile
+EAGER_ROUNDING = ("RMSNorm", "RotaryEmbedding", "SiLUActivation", "SiLU")  # class-name suffixes "exact" leaves to ATen
 
 
 class DecodeStep:
     """Feeds one token per row [B] at the cache's next slot -> next-token logits [B,V]."""
 
     def __init__(self, model, cache: StaticCache, mask: torch.Tensor, positions: torch.Tensor, graphs: bool,
-                 fuse: bool = False):
+                 fuse: str = ""):
         """mask [B, cache length]: the prompt's padding, then ones (causality hides the slots not yet
-        written, so the mask never changes); positions [B,1]: the next token's, one more each step."""
+        written, so the mask never changes); positions [B,1]: the next token's, one more each step;
+        fuse: one of FUSE_MODES."""
         if graphs and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the target is on {model.device}")
+        if fuse not in FUSE_MODES:
+            raise ValueError(f"fuse = {fuse!r}: one of {FUSE_MODES}")
         self.model, self.cache, self.mask, self.positions, self.graphs = model, cache, mask, positions, graphs
         self.token = torch.zeros_like(positions)  # [B,1]
         self.graph, self.logits, self.fuse = None, None, fuse
@@ -50,7 +62,10 @@ class DecodeStep:
         """One step, eagerly or fused. Not a bound method kept on self: that cycle would keep this step, and the
         static cache it holds (24 GB at batch 512 x 2,048 slots), alive past `generate` until Python's cyclic
         collector happened to run: a few batches' caches could pile up in GPU memory."""
-        return _fused_forward(FUSE_BACKEND)(self) if self.fuse else self._forward()
+        if not self.fuse:
+            return self._forward()
+        with eager_rounding(self.model, self.fuse == "exact"):
+            return _fused_forward(FUSE_BACKEND, self.fuse)(self)
 
     def _forward(self) -> torch.Tensor:
         out = self.model(input_ids=self.token, attention_mask=self.mask, position_ids=self.positions,
@@ -78,8 +93,36 @@ class DecodeStep:
         return logits
 
 
+@contextlib.contextmanager
+def eager_rounding(model, on: bool):
+    """While on, the target's EAGER_ROUNDING modules run outside torch.compile: each is a graph break (free
+    inside a CUDA graph), and the decoder layer's pieces between them compile once per layer (its layer_idx
+    is a constant to dynamo), so the recompile limits are raised to fit every layer, twice (the second call
+    of generate makes shapes dynamic). Scoped: the model's other uses (and `fused`) see plain modules."""
+    mods = [m for m in model.modules() if on and type(m).__name__.endswith(EAGER_ROUNDING)]
+    if mods:
+        need = 4 * getattr(model.config, "num_hidden_layers", 64) + 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                               4 * need)
+    saved = [m.__dict__.get("forward") for m in mods]
+    for m in mods:  # the same wrapper every time: dynamo guards on what `forward` is
+        if "_eager_forward" not in m.__dict__:
+            m._eager_forward = torch.compiler.disable(m.forward)
+        m.forward = m._eager_forward
+    try:
+        yield
+    finally:
+        for m, f in zip(mods, saved, strict=True):
+            if f is None:
+                del m.forward
+            else:
+                m.forward = f
+
+
 @functools.cache
-def _fused_forward(backend: str):
-    """DecodeStep._forward through torch.compile, once per process: shapes that change from call to call
-    (batch, cache length) become dynamic after the second, instead of a compile per shape."""
-    return torch.compile(DecodeStep._forward, backend=backend)
+def _fused_forward(backend, mode: str):
+    """DecodeStep._forward through torch.compile, once per process and mode: shapes that change from call
+    to call (batch, cache length) become dynamic after the second, instead of a compile per shape."""
+    options = {"emulate_precision_casts": mode == "exact"} if backend == "inductor" else None
+    return torch.compile(DecodeStep._forward, backend=backend, options=options)

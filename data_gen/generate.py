@@ -50,7 +50,7 @@ def check_options(cfg: RunConfig) -> None:
     dg = cfg.data_gen
     for key, value, allowed in (("backend", dg.backend, ("hf", "openai", "dataset")), ("reasoning", dg.reasoning,
                                 ("drop", "field", "render")), ("on_bad_record", dg.on_bad_record, ("strict", "skip")),
-                                ("compile", dg.compile, ("auto", "yes", "no", "fused"))):
+                                ("compile", dg.compile, ("auto", "yes", "no", "fused", "exact"))):
         if value not in allowed:
             raise UserError(f"data_gen.{key} = {value!r}: use one of {' | '.join(allowed)}")
     if dg.backend == "openai" and not dg.base_url:
@@ -63,13 +63,14 @@ def check_options(cfg: RunConfig) -> None:
                         "use data_gen.n=1")
 
 
-def decode_options(dg, device: torch.device) -> tuple[bool, bool]:
-    """data_gen.compile -> (replay the hf backend's decode steps as CUDA graphs, fuse them with torch.compile)."""
+def decode_options(dg, device: torch.device) -> tuple[bool, str]:
+    """data_gen.compile -> (replay the hf backend's decode steps as CUDA graphs, how torch.compile fuses them:
+    "" = not compiled, "fused" or "exact"; core/decode_step.py)."""
     if dg.compile == "yes" and device.type != "cuda":
         raise UserError(f"data_gen.compile = yes needs a CUDA target device (CUDA graphs), not {device}: "
                         "use data_gen.compile=auto or no")
-    graphs = device.type == "cuda" if dg.compile in ("auto", "fused") else dg.compile == "yes"
-    return graphs, dg.compile == "fused"
+    graphs = device.type == "cuda" if dg.compile in ("auto", "fused", "exact") else dg.compile == "yes"
+    return graphs, dg.compile if dg.compile in ("fused", "exact") else ""
 
 
 def end_of_turn_strings(cfg: RunConfig, tok, generation_config) -> list[str]:
@@ -260,7 +261,7 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
             stop = sorted(set(end_of_turn_ids(tok, gen_cfg)) | set(tok.convert_tokens_to_ids(eot)))
             graphs, fuse = decode_options(dg, model.device)
             log.info("hf backend on %s: decode steps %s%s", model.device, "as CUDA graphs" if graphs else "eager",
-                     ", fused by torch.compile" if fuse else "")
+                     f", fused by torch.compile ({fuse})" if fuse else "")
             backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, cfg.seed,
                                 resolve_precision(dg.mixed_precision) == "bf16", graphs, fuse)
             completed = run_hf(todo, backend, tok, cfg, sink, bar)

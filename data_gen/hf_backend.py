@@ -11,7 +11,7 @@ from data_gen.openai_client import Reply
 
 class HFBackend:
     def __init__(self, model, tokenizer, stop_ids: list[int], max_new_tokens: int, temperature: float,
-                 seed: int, bf16_prefill: bool, graphs: bool, fuse: bool = False):
+                 seed: int, bf16_prefill: bool, graphs: bool, fuse: str = ""):
         self.model, self.tok, self.stop_ids, self.bf16_prefill = model, tokenizer, stop_ids, bf16_prefill
         self.graphs, self.fuse = graphs, fuse
         # bf16: the decode steps run a bf16 copy of the weights (a step is matmul-bound at data_gen's batch

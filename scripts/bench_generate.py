@@ -6,15 +6,17 @@ bound, eager and replayed as CUDA graphs, beside HF `model.generate`; fails if t
 
 Paths: eager (data_gen.compile=no: every kernel launched from Python, the loop without graphs),
 graphs (data_gen.compile=yes, CUDA only), fused (data_gen.compile=fused: torch.compile, then graphs on CUDA;
-its rows equal to eager are reported, not required: fused bf16 arithmetic rounds differently), bf16
+its rows equal to eager are reported, not required: fused bf16 arithmetic rounds differently), exact
+(data_gen.compile=exact: torch.compile fusing only what rounds as eager does, then graphs on CUDA; its
+tokens must equal eager's, as the graphs path's must), bf16
 (data_gen.mixed_precision=bf16 on a float32 target: the prompt pass under autocast, the steps on a bf16 copy
 of the weights; its rows equal to eager reported, not required; its bound counts bf16 weights), hf
 (`model.generate`, greedy, its dynamic cache). Random prompts of prompt-len/2..prompt-len tokens, left padded; no stop ids, so every row decodes
 new-tokens; T=0. A call is timed whole (prefill, graph capture, decode; what data_gen waits for),
 warm-up excluded, median of --repeats; decode ms/step leaves out a prefill timed alone. The bound:
 a decode step reads every weight once and each row's K/V up to its length, at --bandwidth GB/s
-(default: a large copy on the device). Exits 1 if the graph path's tokens differ from the eager path's
-(compared once every path has run, in any order; not compared without --paths eager).
+(default: a large copy on the device). Exits 1 if the graphs or exact path's tokens differ from the eager
+path's (compared once every path has run, in any order; not compared without --paths eager).
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ def one_path(model, path: str, prompts: list[list[int]], new: int, decoder=None)
     if path == "bf16":
         return lambda: [g.tokens for g in generate(model, prompts, new, [], bf16_prefill=True, decode_model=decoder)]
     if path != "hf":
-        graphs = path == "graphs" or (path == "fused" and model.device.type == "cuda")
-        return lambda: [g.tokens for g in generate(model, prompts, new, [], graphs=graphs, fuse=path == "fused")]
+        graphs = path == "graphs" or (path in ("fused", "exact") and model.device.type == "cuda")
+        fuse = path if path in ("fused", "exact") else ""
+        return lambda: [g.tokens for g in generate(model, prompts, new, [], graphs=graphs, fuse=fuse)]
     ids, mask, _ = left_padded(prompts, model.device)
     return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                   pad_token_id=0)[:, ids.shape[1]:].tolist()
@@ -109,9 +112,12 @@ def rows_equal(tokens: list[list[int]] | None, eager: list[list[int]] | None) ->
     return sum(x == y for x, y in zip(tokens, eager, strict=True))
 
 
+MUST_EQUAL = ("graphs", "exact")  # the paths that promise the eager loop's tokens
+
+
 def mismatch(row: dict) -> bool:
-    """A graphs row whose tokens were compared with the eager path's and differ."""
-    return row["path"] == "graphs" and row["rows_equal_eager"] not in (None, row["batch"])
+    """A row of a MUST_EQUAL path whose tokens were compared with the eager path's and differ."""
+    return row["path"] in MUST_EQUAL and row["rows_equal_eager"] not in (None, row["batch"])
 
 
 def report(rows: list[dict]) -> str:
@@ -138,7 +144,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--paths", nargs="+", choices=["eager", "graphs", "fused", "bf16", "hf"], default=None,
+    p.add_argument("--paths", nargs="+", choices=["eager", "graphs", "fused", "exact", "bf16", "hf"], default=None,
                    help="default: eager, graphs (CUDA only) and hf")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bandwidth", type=float, default=0.0, help="peak GB/s; 0 = measure a large copy")
@@ -164,17 +170,18 @@ def main() -> None:
     rows = [r for b in args.batch for r in bench_batch(model, paths, b, args.prompt_len, args.new_tokens, bandwidth,
                                                         args.repeats, decoder)]
     print(report(rows))
-    bad = [r for r in rows if r["path"] == "graphs" and ("error" in r or mismatch(r))]
+    bad = [r for r in rows if r["path"] in MUST_EQUAL and ("error" in r or mismatch(r))]
     if args.out:
         Path(args.out).write_text(json.dumps({"target": args.target, "dtype": args.dtype, "device": str(model.device),
                                               "device_name": name, "bandwidth_gbs": bandwidth / 1e9,
-                                              "graphs_equal_eager": not bad if "eager" in paths else None,
+                                              "equal_eager": not bad if "eager" in paths else None,
                                               "rows": rows}, indent=1) + "\n")
     if bad:
-        sys.exit(f"FAIL: the CUDA-graph path differs from the eager path (or failed) at batch "
-                 f"{sorted({r['batch'] for r in bad})}")
-    if {"graphs", "eager"} <= set(paths):
-        print("graphs == eager token for token at every batch size (T=0)")
+        sys.exit(f"FAIL: {' and '.join(sorted({r['path'] for r in bad}))} differs from the eager path (or failed) "
+                 f"at batch {sorted({r['batch'] for r in bad})}")
+    for path in MUST_EQUAL:
+        if {path, "eager"} <= set(paths):
+            print(f"{path} == eager token for token at every batch size (T=0)")
 
 
 if __name__ == "__main__":
