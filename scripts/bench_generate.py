@@ -13,7 +13,7 @@ tokens must equal eager's, as the graphs path's must), bf16
 of the weights; its rows equal to eager reported, not required; its bound counts bf16 weights), hf
 (`model.generate`, greedy, its dynamic cache). Random prompts of prompt-len/2..prompt-len tokens, left padded; no stop ids, so every row decodes
 new-tokens; T=0. A call is timed whole (prefill, graph capture, decode; what data_gen waits for),
-warm-up excluded, median of --repeats; decode ms/step leaves out a prefill timed alone. The bound:
+warm-up excluded (its seconds shown as "1st s"), median of --repeats; decode ms/step leaves out a prefill timed alone. The bound:
 a decode step reads every weight once and each row's K/V up to its length, at --bandwidth GB/s
 (default: a large copy on the device). Exits 1 if the graphs or exact path's tokens differ from the eager
 path's (compared once every path has run, in any order; not compared without --paths eager).
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ from core.config import load_config  # noqa: E402
 from core.decode import bf16_copy, generate, left_padded, new_cache, prefill  # noqa: E402
 from core.errors import UserError  # noqa: E402
 from core.target import load_target  # noqa: E402
-from scripts.benchmark import copy_bandwidth, measured, timed  # noqa: E402
+from scripts.benchmark import copy_bandwidth, measured, sync, timed  # noqa: E402
 
 
 def bound_seconds(model, lengths: list[int], new: int, bandwidth: float) -> float:
@@ -57,6 +58,24 @@ def one_path(model, path: str, prompts: list[list[int]], new: int, decoder=None)
     ids, mask, _ = left_padded(prompts, model.device)
     return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                   pad_token_id=0)[:, ids.shape[1]:].tolist()
+
+
+def first_call_clocked(fn, device):
+    """fn -> (fn with its first call's seconds appended to the list returned: the warm-up, which captures the
+    CUDA graph and, for fused / exact, compiles)."""
+    first = []
+
+    def call():
+        if first:
+            return fn()
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        first.append(time.perf_counter() - t0)
+        return out
+
+    return call, first
 
 
 def random_prompts(model, b: int, prompt_len: int) -> list[list[int]]:
@@ -93,13 +112,14 @@ def bench_batch(model, paths: list[str], b: int, prompt_len: int, new: int, band
     for path in paths:
         steps, t_pre = (decoder, t_prefill["bf16"]) if path == "bf16" else (model, t_prefill["model"])
         row = {"path": path, "batch": b, "prompt_len": prompt_len, "new_tokens": new}
+        run, first = first_call_clocked(one_path(model, path, prompts, new, decoder), model.device)
         try:
-            tokens[path], t = measured(one_path(model, path, prompts, new, decoder), model.device, repeats)
+            tokens[path], t = measured(run, model.device, repeats)
         except UserError as e:  # a graph capture that failed: reported, and the run exits 1
             rows.append({**row, "error": str(e)})
             continue
         decode, bound = max(t - t_pre, 1e-9), bound_seconds(steps, lengths, new, bandwidth)
-        rows.append({**row, "s_per_call": t, "tok_s": b * new / t, "decode_ms_per_step": 1e3 * decode / max(1, new - 1),
+        rows.append({**row, "first_call_s": first[0], "s_per_call": t, "tok_s": b * new / t, "decode_ms_per_step": 1e3 * decode / max(1, new - 1),
                      "of_bound": bound / decode})
     return [{**r, "rows_equal_eager": rows_equal(tokens.get(r["path"]), tokens.get("eager"))} for r in rows]
 
@@ -121,8 +141,8 @@ def mismatch(row: dict) -> bool:
 
 
 def report(rows: list[dict]) -> str:
-    lines = [f"{'path':7}{'batch':>6}{'prompt':>7}{'new':>5}{'s/call':>9}{'tok/s':>10}{'ms/step':>9}{'of bound':>9}"
-             "  tokens"]
+    lines = [f"{'path':7}{'batch':>6}{'prompt':>7}{'new':>5}{'1st s':>8}{'s/call':>9}{'tok/s':>10}{'ms/step':>9}"
+             f"{'of bound':>9}  tokens"]
     for r in rows:
         head = f"{r['path']:7}{r['batch']:>6}{r['prompt_len']:>7}{r['new_tokens']:>5}"
         if "error" in r:
@@ -131,7 +151,7 @@ def report(rows: list[dict]) -> str:
         same = r["rows_equal_eager"]
         tokens = ("" if r["path"] == "eager" else "not compared (no eager path)" if same is None
                   else f"{same}/{r['batch']} rows equal eager" + (" MISMATCH" if mismatch(r) else ""))
-        lines.append(f"{head}{r['s_per_call']:>9.3f}{r['tok_s']:>10.0f}{r['decode_ms_per_step']:>9.2f}"
+        lines.append(f"{head}{r['first_call_s']:>8.1f}{r['s_per_call']:>9.3f}{r['tok_s']:>10.0f}{r['decode_ms_per_step']:>9.2f}"
                      f"{r['of_bound']:>9.1%}  {tokens}")
     return "\n".join(lines)
 
