@@ -51,6 +51,7 @@ class DecodeStep:
         self.model, self.cache, self.mask, self.positions, self.graphs = model, cache, mask, positions, graphs
         self.token = torch.zeros_like(positions)  # [B,1]
         self.graph, self.logits, self.fuse = None, None, fuse
+        self.eager_modules = eager_rounding_modules(model) if fuse == "exact" else []
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         self.token.copy_(token[:, None])
@@ -65,7 +66,7 @@ class DecodeStep:
         collector happened to run: a few batches' caches could pile up in GPU memory."""
         if not self.fuse:
             return self._forward()
-        with eager_rounding(self.model, self.fuse == "exact"):
+        with eager_rounding(self.eager_modules):
             return _fused_forward(FUSE_BACKEND, self.fuse)(self)
 
     def _forward(self) -> torch.Tensor:
@@ -94,18 +95,22 @@ class DecodeStep:
         return logits
 
 
+def eager_rounding_modules(model) -> list[torch.nn.Module]:
+    """The target's EAGER_ROUNDING modules, which "exact" runs outside torch.compile. Each is a graph break
+    (free inside a CUDA graph), and the decoder layer's pieces between them compile once per layer (its
+    layer_idx is a constant to dynamo), so dynamo's recompile limits are raised here to fit every layer,
+    twice (the second call of generate makes shapes dynamic)."""
+    mods = [m for m in model.modules() if type(m).__name__.endswith(EAGER_ROUNDING)]
+    need = 4 * getattr(model.config, "num_hidden_layers", 64) + 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * need)
+    return mods
+
+
 @contextlib.contextmanager
-def eager_rounding(model, on: bool):
-    """While on, the target's EAGER_ROUNDING modules run outside torch.compile: each is a graph break (free
-    inside a CUDA graph), and the decoder layer's pieces between them compile once per layer (its layer_idx
-    is a constant to dynamo), so the recompile limits are raised to fit every layer, twice (the second call
-    of generate makes shapes dynamic). Scoped: the model's other uses (and `fused`) see plain modules."""
-    mods = [m for m in model.modules() if on and type(m).__name__.endswith(EAGER_ROUNDING)]
-    if mods:
-        need = 4 * getattr(model.config, "num_hidden_layers", 64) + 8
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)
-        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
-                                                               4 * need)
+def eager_rounding(mods: list[torch.nn.Module]):
+    """While inside, `mods` (eager_rounding_modules) run outside torch.compile. Scoped: the model's other uses
+    (and `fused`) see plain modules."""
     saved = [m.__dict__.get("forward") for m in mods]
     for m in mods:  # the same wrapper every time: dynamo guards on what `forward` is
         if "_eager_forward" not in m.__dict__:

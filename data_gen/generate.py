@@ -28,6 +28,7 @@ from core.atomic_io import atomic_write_json, remove_partial_writes
 from core.chat import fitting_prompts
 from core.config import RunConfig
 from core.conversations import done_ids, template_hash, write_part
+from core.decode_step import FUSE_MODES
 from core.errors import UserError
 from core.manifest import open_stage_dir, write_manifest
 from core.prompts import load_prompts
@@ -50,7 +51,7 @@ def check_options(cfg: RunConfig) -> None:
     dg = cfg.data_gen
     for key, value, allowed in (("backend", dg.backend, ("hf", "openai", "dataset")), ("reasoning", dg.reasoning,
                                 ("drop", "field", "render")), ("on_bad_record", dg.on_bad_record, ("strict", "skip")),
-                                ("compile", dg.compile, ("auto", "yes", "no", "fused", "exact"))):
+                                ("compile", dg.compile, ("auto", "yes", "no", *FUSE_MODES[1:]))):
         if value not in allowed:
             raise UserError(f"data_gen.{key} = {value!r}: use one of {' | '.join(allowed)}")
     if dg.backend == "openai" and not dg.base_url:
@@ -69,8 +70,9 @@ def decode_options(dg, device: torch.device) -> tuple[bool, str]:
     if dg.compile == "yes" and device.type != "cuda":
         raise UserError(f"data_gen.compile = yes needs a CUDA target device (CUDA graphs), not {device}: "
                         "use data_gen.compile=auto or no")
-    graphs = device.type == "cuda" if dg.compile in ("auto", "fused", "exact") else dg.compile == "yes"
-    return graphs, dg.compile if dg.compile in ("fused", "exact") else ""
+    fuse = dg.compile if dg.compile in FUSE_MODES else ""
+    graphs = device.type == "cuda" if dg.compile == "auto" or fuse else dg.compile == "yes"
+    return graphs, fuse
 
 
 def end_of_turn_strings(cfg: RunConfig, tok, generation_config) -> list[str]:

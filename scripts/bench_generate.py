@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.config import load_config  # noqa: E402
 from core.decode import bf16_copy, generate, left_padded, new_cache, prefill  # noqa: E402
+from core.decode_step import FUSE_MODES  # noqa: E402
 from core.errors import UserError  # noqa: E402
 from core.target import load_target  # noqa: E402
 from scripts.benchmark import copy_bandwidth, measured, sync, timed  # noqa: E402
@@ -52,8 +53,8 @@ def one_path(model, path: str, prompts: list[list[int]], new: int, decoder=None)
     if path == "bf16":
         return lambda: [g.tokens for g in generate(model, prompts, new, [], bf16_prefill=True, decode_model=decoder)]
     if path != "hf":
-        graphs = path == "graphs" or (path in ("fused", "exact") and model.device.type == "cuda")
-        fuse = path if path in ("fused", "exact") else ""
+        fuse = path if path in FUSE_MODES else ""
+        graphs = path == "graphs" or (bool(fuse) and model.device.type == "cuda")
         return lambda: [g.tokens for g in generate(model, prompts, new, [], graphs=graphs, fuse=fuse)]
     ids, mask, _ = left_padded(prompts, model.device)
     return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,

@@ -124,8 +124,8 @@ def main() -> int:
                                    zip(after["accepted_per_pos"], before["accepted_per_pos"] + [0.0] * k, strict=False))
                     same = sum(o == b for o, b in zip(outs, base_out, strict=True))
                     cycles.append(tau * base_tps / tps)
-                    theirs = f"{ours[k]:.3f}" if k in ours else "-"
-                    print(f"| {outtype} ({size:.1f} MB) | {p_min:g} | {k} | {tau:.3f} | {pos} | {theirs} | {tps:.1f} | "
+                    ours_tau = f"{ours[k]:.3f}" if k in ours else "-"
+                    print(f"| {outtype} ({size:.1f} MB) | {p_min:g} | {k} | {tau:.3f} | {pos} | {ours_tau} | {tps:.1f} | "
                           f"{tps / base_tps:.2f}x | {cycles[-1]:.2f} | {same}/{len(items)} |", flush=True)
                 if len(ks) > 1 and p_min == 0:
                     slope, fixed = linear_fit(ks, cycles)
