@@ -100,6 +100,11 @@ def eager_rounding_modules(model) -> list[torch.nn.Module]:
     (free inside a CUDA graph), and the decoder layer's pieces between them compile once per layer (its
     layer_idx is a constant to dynamo), so dynamo's recompile limits are raised here to fit every layer,
     twice (the second call of generate makes shapes dynamic)."""
+    other_norms = sorted({type(m).__name__ for m in model.modules()
+                          if "Norm" in type(m).__name__ and not type(m).__name__.endswith("RMSNorm")})
+    if other_norms:  # inductor would fuse them, rounding otherwise: tokens that part silently from eager's
+        raise UserError(f"data_gen.compile=exact keeps only RMSNorm layers in eager rounding; this target also has "
+                        f"{', '.join(other_norms)}: use data_gen.compile=auto (CUDA graphs, the same tokens)")
     mods = [m for m in model.modules() if type(m).__name__.endswith(EAGER_ROUNDING)]
     need = 4 * getattr(model.config, "num_hidden_layers", 64) + 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)

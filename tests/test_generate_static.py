@@ -204,6 +204,22 @@ def test_exact_fusion_leaves_what_inductor_rounds_differently_to_aten(monkeypatc
     assert "<built-in function add>" in ops and "<built-in function neg>" in ops and len(graphs) > 2
 
 
+def test_exact_fusion_refuses_a_target_with_norms_it_does_not_keep_eager(tiny):
+    """A LayerNorm would be fused and round differently: "exact" refuses such a target instead of writing
+    tokens that part from the eager loop's."""
+    from core.decode_step import DecodeStep, eager_rounding_modules
+    from core.errors import UserError
+
+    model, prompts = tiny
+    assert eager_rounding_modules(model)  # the tiny Llama: RMSNorms only
+    model.model.layers[0].extra_norm = torch.nn.LayerNorm(4)
+    try:
+        with pytest.raises(UserError, match="LayerNorm"):
+            DecodeStep(model, None, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), False, "exact")
+    finally:
+        del model.model.layers[0].extra_norm
+
+
 def test_bench_compares_a_path_listed_before_eager(tiny):
     """scripts/bench_generate.py counts the rows equal to the eager path's once every path has run:
     a path listed before eager used to get None, which a graphs row reported as a MISMATCH (exit 1)."""
