@@ -23,6 +23,7 @@ then counts only the cycles that drafted, so only p_min 0 is compared with ours 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -46,15 +47,23 @@ from eval.llamacpp_server import (  # noqa: E402
 from eval.run import load_engine  # noqa: E402
 
 
-def run_server(url: str, items, n: int) -> tuple[list[list[int]], float, float]:
-    """-> (generated ids per prompt, tokens/s of decode, generated tokens)."""
-    outs, tokens, ms = [], 0, 0.0
-    for _, ids in items:
-        r = complete(url, ids, n)
-        outs.append(r["tokens"])
-        tokens += r["timings"]["predicted_n"]
-        ms += r["timings"]["predicted_ms"]
-    return outs, 1000 * tokens / ms, tokens
+def run_interleaved(urls: list[str], items, n: int, rounds: int) -> list[dict]:
+    """Every server answers every prompt, `rounds` times, taking turns prompt by prompt (the order rotated each
+    time), so a shared machine's speed drifting between minutes (±15% seen here) weighs on all of them alike.
+    -> per server {"outs": generated ids per prompt (first round), "tps": decode tokens/s over all its answers}."""
+    res = [{"outs": [], "tokens": 0, "ms": 0.0} for _ in urls]
+    turn = 0
+    for r in range(rounds):
+        for _, ids in items:
+            order = [(turn + j) % len(urls) for j in range(len(urls))]
+            turn += 1
+            for i in order:
+                out = complete(urls[i], ids, n)
+                if r == 0:
+                    res[i]["outs"].append(out["tokens"])
+                res[i]["tokens"] += out["timings"]["predicted_n"]
+                res[i]["ms"] += out["timings"]["predicted_ms"]
+    return [{"outs": x["outs"], "tps": 1000 * x["tokens"] / x["ms"]} for x in res]
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -66,7 +75,7 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--drafter", required=True, help="a drafter dir, or a comma list of them (compared in one run)")
     ap.add_argument("--config", default="configs/smollm2-135m-instruct.yaml")
     ap.add_argument("--prompts", default=None, help="prompt file (default: the config's held-out prompts)")
     ap.add_argument("--k", default="2,3,5,7")
@@ -78,10 +87,12 @@ def main() -> int:
     ap.add_argument("--p-min", default="0", help="comma list of llama.cpp's --spec-draft-p-min values")
     ap.add_argument("--target-gguf", default="", help="a target GGUF already converted (instead of --target-outtype)")
     ap.add_argument("--server-args", default="", help="more llama-server flags for both servers, e.g. '--poll 100'")
+    ap.add_argument("--rounds", type=int, default=1, help="times each server answers every prompt")
     ap.add_argument("--no-ours", action="store_true", help="skip our engine's τ (slow on a CPU)")
     args = ap.parse_args()
     cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
-    model, tok, drafter, stop = load_engine(cfg, args.drafter)
+    drafters = args.drafter.split(",")
+    model, tok, drafter, stop = load_engine(cfg, drafters[0])  # our τ: of the first drafter
     items = eval_prompt_ids(cfg, tok, args.prompts)
     n = args.max_new_tokens
     cache = cache_root(cfg)
@@ -94,43 +105,49 @@ def main() -> int:
         target_gguf = convert_to_gguf(tree, resolve_target(cfg), Path(tmp.name) / f"target-{convert_at}.gguf",
                                       convert_at)
     extra = tuple(args.server_args.split())
-    with LlamaServer(binary, target_gguf, extra_args=extra) as url:
-        base_out, base_tps, _ = run_server(url, items, n)
-    print(f"base llama-server ({target_gguf.name}): {base_tps:.1f} tok/s decode, {len(items)} prompts x <= {n} "
-          "tokens", flush=True)
-    print("| drafter GGUF | p_min | K | τ llama.cpp | per-position acceptance | τ ours (HF engine) | spec tok/s | speedup "
-          "| cycle in base tokens = break-even τ | outputs equal base |\n|---|---|---|---|---|---|---|---|---|---|",
-          flush=True)
     ks = [int(k) for k in args.k.split(",")]
     ours = {}
     for k in [] if args.no_ours else ks:
         lengths = [a for _, ids in items for a in speculative_generate(model, drafter, ids, n, stop, k).accept_lengths]
         ours[k] = sum(lengths) / max(1, len(lengths))
-    with tmp:
-        for outtype in args.outtype.split(","):
-            gguf = convert_drafter(tree, Path(args.drafter), resolve_target(cfg), Path(tmp.name) / f"draft-{outtype}.gguf",
-                                   outtype)
-            size = gguf.stat().st_size / 1e6
-            for p_min in [float(p) for p in args.p_min.split(",")]:
-                cycles = []
-                for k in ks:
-                    with LlamaServer(binary, target_gguf, gguf, k=k, p_min=p_min, extra_args=extra) as url:
-                        before = spec_counters(url)
-                        outs, tps, _ = run_server(url, items, n)
-                        after = spec_counters(url)
-                    drafts = after["drafts"] - before["drafts"]
-                    tau = 1 + (after["accepted"] - before["accepted"]) / max(1.0, drafts)
-                    pos = " ".join(f"{(a - b) / max(1.0, drafts):.2f}" for a, b in
-                                   zip(after["accepted_per_pos"], before["accepted_per_pos"] + [0.0] * k, strict=False))
-                    same = sum(o == b for o, b in zip(outs, base_out, strict=True))
-                    cycles.append(tau * base_tps / tps)
-                    ours_tau = f"{ours[k]:.3f}" if k in ours else "-"
-                    print(f"| {outtype} ({size:.1f} MB) | {p_min:g} | {k} | {tau:.3f} | {pos} | {ours_tau} | {tps:.1f} | "
-                          f"{tps / base_tps:.2f}x | {cycles[-1]:.2f} | {same}/{len(items)} |", flush=True)
-                if len(ks) > 1 and p_min == 0:
-                    slope, fixed = linear_fit(ks, cycles)
-                    print(f"{outtype}: cycle ≈ {fixed:.2f} + {slope:.2f} x K base tokens (fixed part + cost per "
-                          "drafted token)", flush=True)
+    with tmp, contextlib.ExitStack() as stack:
+        specs = []  # (label, gguf, k, p_min): one speculative server each, all up beside the base server
+        for d in drafters:
+            for outtype in args.outtype.split(","):
+                gguf = convert_drafter(tree, Path(d), resolve_target(cfg), Path(tmp.name) / f"draft{len(specs)}.gguf",
+                                       outtype)
+                label = f"{Path(d).name} {outtype} ({gguf.stat().st_size / 1e6:.1f} MB)"
+                specs += [(label, gguf, k, float(p), d) for p in args.p_min.split(",") for k in ks]
+        urls = [stack.enter_context(LlamaServer(binary, target_gguf, extra_args=extra))]
+        urls += [stack.enter_context(LlamaServer(binary, target_gguf, g, k=k, p_min=p, extra_args=extra))
+                 for _, g, k, p, _ in specs]
+        before = [spec_counters(u) for u in urls[1:]]
+        res = run_interleaved(urls, items, n, args.rounds)
+        after = [spec_counters(u) for u in urls[1:]]
+    base_out, base_tps = res[0]["outs"], res[0]["tps"]
+    print(f"base llama-server ({target_gguf.name}): {base_tps:.1f} tok/s decode, {len(items)} prompts x <= {n} "
+          f"tokens x {args.rounds} round(s), taking turns with the {len(specs)} speculative servers", flush=True)
+    print("| drafter GGUF | p_min | K | τ llama.cpp | per-position acceptance | τ ours (HF engine) | spec tok/s | speedup "
+          "| cycle in base tokens = break-even τ | outputs equal base |\n|---|---|---|---|---|---|---|---|---|---|",
+          flush=True)
+    fits: dict[str, tuple[list, list]] = {}
+    for (label, _, k, p_min, d), r, b, a in zip(specs, res[1:], before, after, strict=True):
+        drafts = a["drafts"] - b["drafts"]
+        tau = 1 + (a["accepted"] - b["accepted"]) / max(1.0, drafts)
+        pos = " ".join(f"{(x - y) / max(1.0, drafts):.2f}" for x, y in
+                       zip(a["accepted_per_pos"], b["accepted_per_pos"] + [0.0] * k, strict=False))
+        same = sum(o == q for o, q in zip(r["outs"], base_out, strict=True))
+        cycle = tau * base_tps / r["tps"]
+        if p_min == 0:
+            fits.setdefault(label, ([], []))[0].append(k)
+            fits[label][1].append(cycle)
+        ours_tau = f"{ours[k]:.3f}" if k in ours and d == drafters[0] else "-"
+        print(f"| {label} | {p_min:g} | {k} | {tau:.3f} | {pos} | {ours_tau} | {r['tps']:.1f} | "
+              f"{r['tps'] / base_tps:.2f}x | {cycle:.2f} | {same}/{len(items)} |", flush=True)
+    for label, (xs, ys) in fits.items():
+        if len(xs) > 1:
+            slope, fixed = linear_fit(xs, ys)
+            print(f"{label}: cycle ≈ {fixed:.2f} + {slope:.2f} x K base tokens (fixed part + cost per drafted token)")
     return 0
 
 

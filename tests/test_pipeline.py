@@ -84,6 +84,21 @@ def test_exported_drafter_loads_in_sglang_and_captures_the_trained_layers(run):
     assert check_drafter_tensor_names(load_file(str(run_dir / "drafter/model.safetensors"))) == []
 
 
+def test_exported_drafter_counts_its_draft_tokens_over_the_trained_answers(run):
+    """draft_vocab_counts.json (what `python -m train.prune_vocab` ranks by): per draft index, how often that
+    token is trained on in the samples."""
+    _, run_dir, _, _ = run
+    rec = json.loads((run_dir / "drafter/draft_vocab_counts.json").read_text())
+    tensors = load_file(str(run_dir / "drafter/model.safetensors"))
+    target_ids = tensors["d2t"] + torch.arange(512)
+    shards = HiddenShards(run_dir / "hidden")
+    total = torch.zeros(49152, dtype=torch.int64)
+    for sid in shards.ids:
+        s = shards.load(sid, names=("input_ids", "loss_mask"))
+        total += torch.bincount(s["input_ids"][s["loss_mask"].bool()].long(), minlength=49152)
+    assert rec["counts"] == total[target_ids].tolist() and sum(rec["counts"]) > 0
+
+
 def test_outputs_are_readable_by_other_users(run):
     """Files get the umask's mode (0644 under 022), not safetensors' 0600: a server running as another
     user must read the drafter, checkpoints, shards and reports."""

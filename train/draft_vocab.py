@@ -39,3 +39,29 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
 
 def d2t_offsets(draft_ids: torch.Tensor) -> torch.Tensor:
     return draft_ids - torch.arange(draft_ids.numel())
+
+
+COUNTS_FILE = "draft_vocab_counts.json"  # beside an exported drafter: how often training saw each draft token
+
+
+def counts_record(counts: torch.Tensor, draft_ids: torch.Tensor, source: str) -> dict:
+    """What train writes to COUNTS_FILE: per draft index (d2t order) its count, and where the counts come from."""
+    return {"source": source, "counts": counts[draft_ids].tolist()}
+
+
+def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """counts [Vd] per draft index -> the `size` most frequent draft indices, ascending (ties: lowest index)."""
+    if not 0 < size < counts.numel():
+        raise UserError(f"draft vocab size {size}: must be in [1, {counts.numel() - 1}] to prune a drafter whose "
+                        f"draft vocab has {counts.numel()} tokens")
+    return torch.sort(torch.sort(-counts, stable=True).indices[:size]).values
+
+
+def prune_draft_vocab(sd: dict[str, torch.Tensor], keep: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An SGLang-format drafter's tensors with only the draft indices `keep` (ascending): lm_head rows, d2t
+    and t2d follow. The kept rows' logits are the same numbers, so a greedy draft equals the full drafter's
+    wherever that one lies in `keep` (FR-Spec's frequency-ranked draft head, cut after training)."""
+    target_ids = (sd["d2t"] + torch.arange(sd["d2t"].numel()))[keep]
+    t2d = torch.zeros_like(sd["t2d"])
+    t2d[target_ids] = True
+    return {**sd, "lm_head.weight": sd["lm_head.weight"][keep].contiguous(), "d2t": d2t_offsets(target_ids), "t2d": t2d}

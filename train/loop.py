@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from core.atomic_io import read_jsonl
+from core.atomic_io import atomic_write_json, read_jsonl
 from core.config import RunConfig, to_dict
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.errors import UserError
@@ -31,7 +31,7 @@ from core.stage_lock import stage_lock
 from core.target import TargetHead, load_target_embeddings, read_target_config, resolve_precision, target_info
 from train.checkpoint import load_checkpoint, read_latest
 from train.data import ShardSource, aux_rms
-from train.draft_vocab import build_draft_vocab, d2t_offsets, token_counts
+from train.draft_vocab import COUNTS_FILE, build_draft_vocab, counts_record, d2t_offsets, token_counts
 from train.fit import Fit, fit
 from train.flash_check import check_flash
 from train.master_weights import MasterWeightAdamW, weights_to_bf16
@@ -176,10 +176,12 @@ def open_run(cfg: RunConfig, accelerator: Accelerator, source, fresh: bool):
 
 
 def export(cfg: RunConfig, drafter: Eagle3Drafter, source, step: int, coverage: float, settings: dict,
-           runtime: dict) -> None:
-    """The SGLang-format drafter, curves.png, and the manifests of drafter/ and train/."""
+           runtime: dict, vocab_counts: dict) -> None:
+    """The SGLang-format drafter with its draft tokens' counts (for `python -m train.prune_vocab`), curves.png,
+    and the manifests of drafter/ and train/."""
     train_dir, out = cfg.run_path / "train", cfg.run_path / "drafter"
     drafter.save_pretrained(out)
+    atomic_write_json(out / COUNTS_FILE, vocab_counts)
     rows = read_jsonl(train_dir / "metrics.jsonl")
     plot_curves(rows, train_dir / "curves.png")
     last = (rows or [{}])[-1]
@@ -213,8 +215,8 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     accelerator.wait_for_everyone()
     set_seed(cfg.seed)
     target = load_target_embeddings(cfg)
-    draft_ids, t2d, coverage = build_draft_vocab(token_counts(source.token_pairs(), target.embed.shape[0]),
-                                                 tc.draft_vocab_size)
+    counts = token_counts(source.token_pairs(), target.embed.shape[0])
+    draft_ids, t2d, coverage = build_draft_vocab(counts, tc.draft_vocab_size)
     log.info("%d samples / %d tokens (train.source=%s); draft vocab %d covers %.2f%% of assistant tokens",
              len(source.ids), source.num_tokens(), tc.source, draft_ids.numel(), 100 * coverage)
     drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target)
@@ -264,5 +266,6 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
         log.info("stopped after %d steps of this launch (train.stop_after): rerun to continue from step %d, "
                  "on any number of processes", tc.stop_after, step)
     elif accelerator.is_main_process:
-        export(cfg, accelerator.unwrap_model(objective).drafter, source, step, coverage, settings, runtime)
+        export(cfg, accelerator.unwrap_model(objective).drafter, source, step, coverage, settings, runtime,
+               counts_record(counts, draft_ids, "assistant tokens of the training samples"))
     return out
