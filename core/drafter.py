@@ -261,19 +261,37 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         self.register_buffer("aux_scale", torch.ones(3 * c.target_hidden_size))
 
-    def qkv(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
-        """hidden [B,T,3Ht] (target aux: step 0) or [B,T,H] (previous step's h2).
+    def token_qkv(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B,T] -> the q, k, v projections' token half, [B,T,nh*d] / [B,T,nkv*d] x 2: the half of the
+        attention input with neither a position nor a hidden state in it. TTT computes it once for all K
+        steps (step k's token at t is step 0's at t+k), not once per step: of each step's qkv GEMMs, forward
+        and backward, that is half the FLOPs (`qkv(..., token_qkv=...)`)."""
+        x, h = self.midlayer.input_layernorm(self.embed_tokens(tokens)), self.config.hidden_size
+        a = self.midlayer.self_attn
+        return tuple(F.linear(x, proj.weight[:, :h]) for proj in (a.q_proj, a.k_proj, a.v_proj))
+
+    def qkv(self, hidden: torch.Tensor, tokens: torch.Tensor | None, positions: torch.Tensor,
+            token_qkv: tuple[torch.Tensor, ...] | None = None):
+        """hidden [B,T,3Ht] (target aux: step 0) or [B,T,H] (previous step's h2); tokens [B,T], or their
+        `token_qkv` computed already (then tokens are not read).
         Returns q [B,nh,T,d], k/v [B,nkv,T,d] (RoPE applied) and the residual [B,T,H]."""
         c, layer = self.config, self.midlayer
         if hidden.shape[-1] == 3 * c.target_hidden_size and hidden.shape[-1] != c.hidden_size:
             if self.input_norm is not None:
                 hidden = self.input_norm(hidden)
             hidden = self.fc(hidden / self.aux_scale)  # aux_scale after the norm: see the module docstring
-        x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], -1)
-        b, t, _ = x.shape
-        q = layer.self_attn.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = layer.self_attn.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = layer.self_attn.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        b, t, h = hidden.shape
+        a = layer.self_attn
+        if token_qkv is None:
+            x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], -1)
+            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        else:  # the hidden half's GEMM, with the token half added in its epilogue
+            x = layer.hidden_norm(hidden).flatten(0, 1)
+            q, k, v = (torch.addmm(y.flatten(0, 1), x, proj.weight[:, h:].T).view(b, t, y.shape[-1])
+                       for y, proj in zip(token_qkv, (a.q_proj, a.k_proj, a.v_proj), strict=True))
+        q = q.view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = k.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = v.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         return apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta), v, hidden
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -116,6 +116,31 @@ def test_export_matches_sglang_format(tmp_path):
     assert torch.equal(hot, torch.nonzero(d.t2d).flatten())
 
 
+def test_token_half_computed_once_gives_the_plain_qkv_and_its_gradients():
+    """TTT projects the tokens once for all K steps (`token_qkv`, rows k..k+T for step k) and adds the hidden
+    half per step: the same q, k, v, residual and weight gradients as the one concatenated projection."""
+    d = make_drafter()
+    aux, ids, _, _ = batch()
+    pos = torch.arange(T)[None].expand(B, T) + 2
+    ext = torch.nn.functional.pad(ids, (2, 3), value=7)  # this step's tokens at rows 2..2+T of a longer run
+    params = [p for p in d.parameters() if p.requires_grad]
+    outs, grads = [], []
+    for split in (False, True):
+        tq = tuple(y[:, 2:2 + T] for y in d.token_qkv(ext)) if split else None
+        out = d.qkv(aux, None if split else ids, pos, tq)
+        w = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)) for i, o in enumerate(out)]
+        grads.append(torch.autograd.grad(sum((o * wi).sum() for o, wi in zip(out, w, strict=True)), params,
+                                         allow_unused=True))
+        outs.append(out)
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for p, a, b in zip(params, *grads, strict=True):
+        if a is None:
+            assert b is None
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, p=p: f"{p.shape}: {m}")
+
+
 def test_export_round_trip(tmp_path):
     d = make_drafter()
     d.save_pretrained(tmp_path)

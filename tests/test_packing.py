@@ -94,8 +94,8 @@ def test_packed_rows_run_at_each_documents_own_positions(monkeypatch):
     """RoPE is relative, so row-wide positions would train the same up to rounding (the test above cannot
     tell); each document's own positions are the padded batch's, exactly."""
     seen, qkv = [], Eagle3Drafter.qkv
-    monkeypatch.setattr(Eagle3Drafter, "qkv", lambda self, hidden, tokens, positions: (
-        seen.append(positions), qkv(self, hidden, tokens, positions))[1])
+    monkeypatch.setattr(Eagle3Drafter, "qkv", lambda self, hidden, tokens, positions, *rest: (
+        seen.append(positions), qkv(self, hidden, tokens, positions, *rest))[1])
     batch = padded_batch(LENGTHS, drafter())
     run_batch(batch, PACK)
     own = pack(batch, PACK)["positions"]

@@ -74,10 +74,11 @@ def pad_to(x: torch.Tensor, t: int) -> torch.Tensor:
     return x if x.shape[1] == t else torch.cat([x, x.new_zeros(x.shape[0], t - x.shape[1], *x.shape[2:])], 1)
 
 
-def ttt_step(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, attention, block_mask, doc_ids):
-    """One unrolled step: -> (h2 [B,T,H], this step's k, v). keys/values: the earlier steps'. Dense
-    attention reads doc_ids; flex reads them from its block mask; flash and cudnn take no packed rows."""
-    q, k, v, residual = drafter.qkv(hidden, tokens, positions)
+def ttt_step(drafter: Eagle3Drafter, hidden, token_qkv, positions, keys, values, attention, block_mask, doc_ids):
+    """One unrolled step: -> (h2 [B,T,H], this step's k, v). token_qkv: this step's tokens' share of q, k, v
+    (`Eagle3Drafter.token_qkv`); keys/values: the earlier steps'. Dense attention reads doc_ids; flex reads
+    them from its block mask; flash and cudnn take no packed rows."""
+    q, k, v, residual = drafter.qkv(hidden, None, positions, token_qkv)
     attn = ttt_attention(q, [*keys, k], [*values, v], attention, block_mask, doc_ids)
     return drafter.finish(attn, residual), k, v
 
@@ -96,13 +97,13 @@ def scatter_rows(x: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor], b: i
     return x.new_zeros(b, t, *x.shape[1:]).index_put(where, x)
 
 
-def ttt_step_rows(drafter: Eagle3Drafter, hidden, tokens, positions, keys, values, attention, block_mask, doc_ids,
+def ttt_step_rows(drafter: Eagle3Drafter, hidden, token_qkv, positions, keys, values, attention, block_mask, doc_ids,
                   where):
-    """`ttt_step` on the rows where = (bi, ti) only: hidden [N,H], tokens and positions [N] -> (h2 [N,H], this
-    step's k, v as [B,nkv,T,d], zeros outside those rows). Exact for those rows: at steps >= 1 a row attends
-    to step 0's keys and to its own earlier steps' keys, never to another row of a later step. The linear
-    layers, most of a step's FLOPs, run on N rows instead of B*T; the attention runs on the full layout."""
-    q, k, v, residual = drafter.qkv(hidden[None], tokens[None], positions[None])  # q [1,nh,N,d]
+    """`ttt_step` on the rows where = (bi, ti) only: hidden [N,H], token_qkv [N,...] and positions [N] -> (h2
+    [N,H], this step's k, v as [B,nkv,T,d], zeros outside those rows). Exact for those rows: at steps >= 1 a
+    row attends to step 0's keys and to its own earlier steps' keys, never to another row of a later step.
+    The linear layers, most of a step's FLOPs, run on N rows instead of B*T; the attention on the full layout."""
+    q, k, v, residual = drafter.qkv(hidden[None], None, positions[None], tuple(y[None] for y in token_qkv))
     b, t = keys[0].shape[0], keys[0].shape[2]
 
     def full(x):  # [1,n,N,d] -> [B,n,T,d]
@@ -126,11 +127,14 @@ def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, steps: int, at
     elsewhere in their h2), `ttt_step_rows`."""
     hidden, keys, values, hiddens = aux, [], [], []
     b, t = input_ids.shape
+    # step k reads token x[t+k+1] at row t (shift_left(input_ids, k + 1)): one projection of x[1:] padded by
+    # K zeros serves every step as rows k..k+T of it
+    token_qkv = drafter.token_qkv(F.pad(input_ids[:, 1:], (0, steps)))
     for k in range(steps):
-        tokens, pos = shift_left(input_ids, k + 1), positions + k
+        tokens, pos = tuple(y[:, k:k + t] for y in token_qkv), positions + k
         rows = () if active is None or k == 0 else (active[k],)
         if rows:
-            hidden, tokens, pos = hidden[rows[0]], tokens[rows[0]], pos[rows[0]]
+            hidden, tokens, pos = hidden[rows[0]], tuple(y[rows[0]] for y in tokens), pos[rows[0]]
         # tuples: a checkpoint's recompute must see the keys as they were, not the grown list
         args = (drafter, hidden, tokens, pos, tuple(keys), tuple(values), attention, block_masks[k], doc_ids, *rows)
         fn = ttt_step_rows if rows else step_fn
