@@ -79,3 +79,17 @@ def test_prune_edge_sizes(tmp_path, size):
     assert main(["--drafter", str(src), "--size", str(size), "--out", str(out), "--config", CONFIG]) == 0
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors["lm_head.weight"].shape[0] == size and int(tensors["t2d"].sum()) == size
+
+
+def test_sharegpt_counts_refuse_a_config_of_another_target(tmp_path, capsys):
+    """--counts sharegpt tokenizes with the config's target: a drafter of another target would be ranked by
+    another tokenizer's ids and pruned wrong with exit 0, so it is refused before anything is counted."""
+    _, src = exported(tmp_path, torch.arange(VD))
+    args = ["--drafter", str(src), "--size", "8", "--counts", "sharegpt", "--config", CONFIG]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err
+    assert "target = 't' but this run expects 'tiny-random-llama'" in err and not (tmp_path / "a").exists()
+    (src / "manifest.json").unlink()  # no manifest to name the target: the vocab size still tells
+    assert main([*args, "--out", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err
+    assert "target vocab of 100" in err and "49152" in err and not (tmp_path / "b").exists()

@@ -27,7 +27,8 @@ from core.atomic_io import atomic_write_json
 from core.cli import run_main, setup_logging
 from core.config import load_config
 from core.errors import UserError
-from core.target import load_tokenizer
+from core.manifest import MANIFEST, check_compat, read_manifest
+from core.target import load_tokenizer, target_info
 from train.draft_vocab import COUNTS_FILE, most_frequent, prune_draft_vocab
 
 log = logging.getLogger("train")
@@ -50,9 +51,15 @@ def sharegpt_counts(cfg, vocab_size: int) -> torch.Tensor:
 
 def draft_counts(drafter: Path, sd: dict, how: str, cfg) -> tuple[torch.Tensor, str]:
     """-> (counts per draft index [Vd], their source)."""
-    if how == "sharegpt":
+    if how == "sharegpt":  # counted with the config's tokenizer: it must be the drafter's target's
+        if (drafter / MANIFEST).is_file():
+            check_compat(read_manifest(drafter, "train"), {"target": cfg.target.model}, drafter)
+        vocab = target_info(cfg).vocab_size
+        if sd["t2d"].numel() != vocab:
+            raise UserError(f"{drafter}: a drafter for a target vocab of {sd['t2d'].numel()}, but target.model "
+                            f"{cfg.target.model!r} has {vocab}: pass --config of the drafter's target")
         target_ids = sd["d2t"] + torch.arange(sd["d2t"].numel())
-        return sharegpt_counts(cfg, sd["t2d"].numel())[target_ids], SHAREGPT_SOURCE
+        return sharegpt_counts(cfg, vocab)[target_ids], SHAREGPT_SOURCE
     path = drafter / COUNTS_FILE
     if not path.is_file():
         raise UserError(f"{path} missing (a drafter trained before train wrote it): pass --counts sharegpt")
@@ -81,10 +88,10 @@ def prune(drafter: Path, size: int, out: Path, how: str, cfg) -> dict:
             cfg_json["draft_vocab_size"] = size
             atomic_write_json(tmp / name, cfg_json)
         atomic_write_json(tmp / COUNTS_FILE, {"source": source, "counts": counts[keep].tolist()})
-        if (drafter / "manifest.json").is_file():  # eval reads the target from it
-            manifest = json.loads((drafter / "manifest.json").read_text())
+        if (drafter / MANIFEST).is_file():  # eval reads the target from it
+            manifest = json.loads((drafter / MANIFEST).read_text())
             manifest["counts"]["pruned_draft_vocab"] = record
-            atomic_write_json(tmp / "manifest.json", manifest)
+            atomic_write_json(tmp / MANIFEST, manifest)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
