@@ -6,7 +6,8 @@ latency, time to first token, tokens/s, and τ from the speculative engine's own
 llama.cpp and vLLM are asked over the OpenAI-compatible `/v1/completions` (streamed, `prompt` = token
 ids) and counted from their Prometheus /metrics; SGLang over its native `/generate` (streamed,
 `input_ids`), counted from each request's `meta_info`. Greedy (T=0) throughout, so the speculative
-outputs must equal the base outputs; a mismatch is reported per level, not hidden.
+outputs must equal the base outputs; a mismatch is reported per level, not hidden. The two servers take
+turns (`taking_turns`), so the speedup compares them over the same minutes.
 """
 
 from __future__ import annotations
@@ -76,11 +77,15 @@ def request(url: str, ids: list[int], n: int, server_type: str, timeout: float =
 
 
 def run_level(url: str, items: list[tuple[str, list[int]]], n: int, concurrency: int, server_type: str) -> dict:
-    """All prompts with `concurrency` requests in flight -> per-request rows + the level's throughput."""
+    """All prompts with `concurrency` requests in flight -> {"rows": per-request rows, "wall_s"}."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         rows = list(pool.map(lambda item: {"id": item[0], **request(url, item[1], n, server_type)}, items))
-    wall = time.perf_counter() - t0
+    return {"rows": rows, "wall_s": time.perf_counter() - t0}
+
+
+def level_summary(rows: list[dict], wall: float) -> dict:
+    """A level's rows and the wall time they took -> the rows plus the level's throughput and latencies."""
     tokens = sum(r["output_tokens"] for r in rows)
     decode = [r["output_tokens"] / (r["latency_s"] - r["ttft_s"]) for r in rows
               if r["output_tokens"] > 1 and r["latency_s"] > r["ttft_s"]]
@@ -88,6 +93,20 @@ def run_level(url: str, items: list[tuple[str, list[int]]], n: int, concurrency:
             "mean_latency_s": sum(r["latency_s"] for r in rows) / len(rows),
             "mean_ttft_s": sum(r["ttft_s"] for r in rows) / len(rows),
             "mean_request_tokens_per_s": sum(decode) / len(decode) if decode else None}
+
+
+def taking_turns(urls: dict[str, str], items: list[tuple[str, list[int]]], n: int, concurrency: int,
+                 server_type: str) -> dict[str, dict]:
+    """Each server answers every prompt at `concurrency` in flight, the servers taking turns block by block
+    (`concurrency` prompts a block, who goes first swapped each block), so a shared machine whose speed drifts
+    between minutes (±15% measured on the 2-core CPUs here) weighs on both alike -> per server its summary."""
+    rows, wall = {name: [] for name in urls}, dict.fromkeys(urls, 0.0)
+    for b, i in enumerate(range(0, len(items), concurrency)):
+        for name in list(urls)[::1 if b % 2 == 0 else -1]:
+            level = run_level(urls[name], items[i:i + concurrency], n, concurrency, server_type)
+            rows[name] += level["rows"]
+            wall[name] += level["wall_s"]
+    return {name: level_summary(rows[name], wall[name]) for name in urls}
 
 
 def _metrics(url: str, server_type: str) -> dict:
@@ -105,9 +124,9 @@ def compare_servers(base_url: str, spec_url: str, items: list[tuple[str, list[in
         request(url, items[0][1], 8, server_type)
     out = []
     for c in levels:
-        base = run_level(base_url, items, n, c, server_type)
         before = _metrics(spec_url, server_type) if server_type != "sglang" else None
-        spec = run_level(spec_url, items, n, c, server_type)
+        done = taking_turns({"base": base_url, "spec": spec_url}, items, n, c, server_type)
+        base, spec = done["base"], done["spec"]
         counted = (sglang_window([r["meta_info"] for r in spec["rows"]]) if server_type == "sglang"
                    else counter_window(before, _metrics(spec_url, server_type)))
         same = sum(b["text"] == s["text"] for b, s in zip(base["rows"], spec["rows"], strict=True))

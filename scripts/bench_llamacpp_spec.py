@@ -40,29 +40,25 @@ from eval.llamacpp import convert_drafter, convert_to_gguf, llamacpp_tree  # noq
 from eval.llamacpp_server import (  # noqa: E402
     LlamaServer,
     build_server,
-    complete,
     spec_counters,
     target_gguf_choice,
 )
 from eval.run import load_engine  # noqa: E402
+from eval.server_eval import taking_turns  # noqa: E402
 
 
 def run_interleaved(urls: list[str], items, n: int, rounds: int) -> list[dict]:
-    """Every server answers every prompt, `rounds` times, taking turns prompt by prompt (the order rotated each
-    time), so a shared machine's speed drifting between minutes (±15% seen here) weighs on all of them alike.
-    -> per server {"outs": generated ids per prompt (first round), "tps": decode tokens/s over all its answers}."""
-    res = [{"outs": [], "tokens": 0, "ms": 0.0} for _ in urls]
-    turn = 0
-    for r in range(rounds):
-        for _, ids in items:
-            order = [(turn + j) % len(urls) for j in range(len(urls))]
-            turn += 1
-            for i in order:
-                out = complete(urls[i], ids, n)
-                if r == 0:
-                    res[i]["outs"].append(out["tokens"])
-                res[i]["tokens"] += out["timings"]["predicted_n"]
-                res[i]["ms"] += out["timings"]["predicted_ms"]
+    """Every server answers every prompt, `rounds` times, one request in flight, the servers taking turns prompt
+    by prompt (eval's `taking_turns`). -> per server {"outs": its texts (first round), "tps": decode tokens/s
+    from llama.cpp's own timings over all its answers}."""
+    res = [{"outs": None, "tokens": 0, "ms": 0.0} for _ in urls]
+    for _ in range(rounds):
+        done = taking_turns({str(i): u for i, u in enumerate(urls)}, items, n, 1, "llamacpp")
+        for i, x in enumerate(res):
+            rows = done[str(i)]["rows"]
+            x["outs"] = x["outs"] or [row["text"] for row in rows]
+            x["tokens"] += sum(row["timings"]["predicted_n"] for row in rows)
+            x["ms"] += sum(row["timings"]["predicted_ms"] for row in rows)
     return [{"outs": x["outs"], "tps": 1000 * x["tokens"] / x["ms"]} for x in res]
 
 

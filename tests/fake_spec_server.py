@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 ACCEPT_CYCLE = [3, 1, 2, 4]  # tokens each verification adds (accepted drafts + the bonus token)
@@ -43,6 +44,7 @@ class FakeSpecServer:
         self.drafts, self.accepted = [0, 0], [0, 0]  # per data-parallel engine
         self.per_pos = [[0] * k, [0] * k]
         self.requests = 0
+        self.arrivals: list[float] = []  # when each completion request came in
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,6 +59,7 @@ class FakeSpecServer:
                 return self._reply(200, "text/plain; version=0.0.4", server.metrics().encode())
 
             def do_POST(self):
+                server.arrivals.append(time.monotonic())
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if server.engine == "vllm" and self.path == "/v1/completions":
                     chunks = server.vllm_chunks(body)

@@ -32,6 +32,10 @@ def test_eval_server_reports_the_engines_own_counts(engine, tmp_path):
                 "--concurrency", "1,3", "--out", str(out), f"eval.draft_steps={K}")
     r = json.loads((out / "report.json").read_text())
     tau, per_pos = expected(3)
+    # the servers took turns: a warm-up each, then at 1 in flight prompt by prompt (who goes first swapped each
+    # time), at 3 in flight one block of all three prompts each
+    order = "".join(name for _, name in sorted([(t, "B") for t in base.arrivals] + [(t, "S") for t in spec.arrivals]))
+    assert order == "BS" + "BSSBBS" + "BBBSSS"
     assert r["engine"] == "server" and r["num_prompts"] == 3 and r["outputs_match_baseline"] is True
     assert [lv["concurrency"] for lv in r["server"]["levels"]] == [1, 3]
     for lv in r["server"]["levels"]:
