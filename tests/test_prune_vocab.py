@@ -21,7 +21,8 @@ def exported(tmp_path, counts) -> tuple[Eagle3Drafter, object]:
     out = tmp_path / "drafter"
     d.save_pretrained(out)
     (out / COUNTS_FILE).write_text(json.dumps({"source": "test", "counts": counts.tolist()}))
-    (out / "manifest.json").write_text(json.dumps({"stage": "train", "compat": {"target": "t"}, "counts": {"steps": 3}}))
+    (out / "manifest.json").write_text(json.dumps({"stage": "train", "compat": {"target": "t"}, "counts": {"steps": 3},
+                                                     "fingerprint": "f0"}))
     return d, out
 
 
@@ -50,6 +51,7 @@ def test_pruned_drafter_keeps_the_frequent_rows_and_their_logits(tmp_path):
     assert torch.equal(hot, full.draft_to_target(keep))
     manifest = json.loads((out / "manifest.json").read_text())  # eval reads the drafter's target from it
     assert manifest["compat"] == {"target": "t"} and manifest["counts"]["steps"] == 3
+    assert manifest["fingerprint"] != "f0"  # another drafter: eval must not record it as the one it came from
     assert manifest["counts"]["pruned_draft_vocab"] == {
         "from_draft_vocab": VD, "to_draft_vocab": 12, "counts_source": "test",
         "kept_share_of_counts": round(float(counts[keep].sum() / counts.sum()), 6)}
