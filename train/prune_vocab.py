@@ -4,7 +4,7 @@ Why: a drafter's lm_head is most of its weights (SmolLM2's with a 16,384-token d
 Keeping only the N draft tokens training saw most often (FR-Spec's frequency-ranked head, cut after
 training) makes each draft step lighter at a small cost in acceptance: a greedy draft is the full drafter's
 whenever that token is kept. It pays where the head bounds the step; in llama.cpp on 2 CPU cores SmolLM2's
-draft step is mostly per-call cost, and 16,384 -> 8,192 gained 0-4% for ~1% of τ (docs/PERFORMANCE.md).
+draft step is mostly per-call cost, and 16,384 -> 8,192 gained 0-5% for ~1% of τ (docs/PERFORMANCE.md).
 
 Counts: the drafter's own draft_vocab_counts.json (train writes it), or `--counts sharegpt`: ShareGPT's
 original assistant answers tokenized with the target's tokenizer, a stand-in for drafters trained before
