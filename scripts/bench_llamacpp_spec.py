@@ -45,6 +45,7 @@ from eval.llamacpp_server import (  # noqa: E402
 )
 from eval.run import load_engine  # noqa: E402
 from eval.server_eval import taking_turns  # noqa: E402
+from eval.spec_counters import counter_window  # noqa: E402
 
 
 def run_interleaved(urls: list[str], items, n: int, rounds: int) -> list[dict]:
@@ -128,10 +129,10 @@ def main() -> int:
           flush=True)
     fits: dict[str, tuple[list, list]] = {}
     for (label, _, k, p_min, d), r, b, a in zip(specs, res[1:], before, after, strict=True):
-        drafts = a["drafts"] - b["drafts"]
-        tau = 1 + (a["accepted"] - b["accepted"]) / max(1.0, drafts)
-        pos = " ".join(f"{(x - y) / max(1.0, drafts):.2f}" for x, y in
-                       zip(a["accepted_per_pos"], b["accepted_per_pos"] + [0.0] * k, strict=False))
+        # eval's own window; a p_min that stopped every draft made none: τ 1, nothing accepted
+        w = counter_window(b, a) if a["drafts"] > b["drafts"] else {"acceptance_length": 1.0,
+                                                                     "per_position_acceptance": []}
+        tau, pos = w["acceptance_length"], " ".join(f"{x:.2f}" for x in w["per_position_acceptance"])
         same = sum(o == q for o, q in zip(r["outs"], base_out, strict=True))
         cycle = tau * base_tps / r["tps"]
         if p_min == 0:

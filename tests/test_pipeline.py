@@ -97,6 +97,7 @@ def test_exported_drafter_counts_its_draft_tokens_over_the_trained_answers(run):
         s = shards.load(sid, names=("input_ids", "loss_mask"))
         total += torch.bincount(s["input_ids"][s["loss_mask"].bool()].long(), minlength=49152)
     assert rec["counts"] == total[target_ids].tolist() and sum(rec["counts"]) > 0
+    assert rec["target_ids"] == target_ids.tolist()
 
 
 def test_outputs_are_readable_by_other_users(run):

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from core.drafter import DraftCache, Eagle3Drafter
 from tests.sglang_source import check_drafter_tensor_names, run_sglang_load_weights
 from tests.test_drafter import VD, B, T, batch, make_drafter
-from train.draft_vocab import COUNTS_FILE
+from train.draft_vocab import COUNTS_FILE, counts_record
 from train.prune_vocab import main
 
 CONFIG = "configs/tiny-random-llama.yaml"
@@ -20,7 +20,7 @@ def exported(tmp_path, counts) -> tuple[Eagle3Drafter, object]:
     d = make_drafter()
     out = tmp_path / "drafter"
     d.save_pretrained(out)
-    (out / COUNTS_FILE).write_text(json.dumps({"source": "test", "counts": counts.tolist()}))
+    (out / COUNTS_FILE).write_text(json.dumps(counts_record(d.draft_to_target(torch.arange(VD)), counts, "test")))
     (out / "manifest.json").write_text(json.dumps({"stage": "train", "compat": {"target": "t"}, "counts": {"steps": 3},
                                                      "fingerprint": "f0"}))
     return d, out
@@ -43,8 +43,9 @@ def test_pruned_drafter_keeps_the_frequent_rows_and_their_logits(tmp_path):
         a, _ = full(aux, ids, pos, DraftCache(T))
         b, _ = p(aux, ids, pos, DraftCache(T))
     assert torch.equal(b, a[..., keep])  # the same numbers: only rows were dropped
-    pruned_counts = json.loads((out / COUNTS_FILE).read_text())["counts"]
-    assert pruned_counts == counts[keep].tolist()
+    pruned = json.loads((out / COUNTS_FILE).read_text())
+    assert pruned["counts"] == counts[keep].tolist()
+    assert pruned["target_ids"] == full.draft_to_target(keep).tolist()  # pruning the pruned drafter reads them
     tensors = load_file(str(out / "model.safetensors"))
     assert check_drafter_tensor_names(tensors) == []
     hot = run_sglang_load_weights(tensors)["hot_token_id"]  # SGLang 0.5.23's own load_weights
@@ -95,3 +96,14 @@ def test_sharegpt_counts_refuse_a_config_of_another_target(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "b")]) == 1
     err = capsys.readouterr().err
     assert "target vocab of 100" in err and "49152" in err and not (tmp_path / "b").exists()
+
+
+def test_counts_of_another_draft_vocab_are_refused(tmp_path, capsys):
+    """A counts file beside a drafter it was not written for (same size, other tokens) would rank the wrong
+    tokens with exit 0: its target ids must be the drafter's."""
+    d, src = exported(tmp_path, torch.arange(VD))
+    rec = json.loads((src / COUNTS_FILE).read_text())
+    rec["target_ids"] = rec["target_ids"][::-1]
+    (src / COUNTS_FILE).write_text(json.dumps(rec))
+    assert main(["--drafter", str(src), "--size", "8", "--out", str(tmp_path / "p"), "--config", CONFIG]) == 1
+    assert "counts of another draft vocab" in capsys.readouterr().err and not (tmp_path / "p").exists()

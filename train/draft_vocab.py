@@ -44,9 +44,15 @@ def d2t_offsets(draft_ids: torch.Tensor) -> torch.Tensor:
 COUNTS_FILE = "draft_vocab_counts.json"  # beside an exported drafter: how often training saw each draft token
 
 
-def counts_record(counts: torch.Tensor, draft_ids: torch.Tensor, source: str) -> dict:
-    """What train writes to COUNTS_FILE: per draft index (d2t order) its count, and where the counts come from."""
-    return {"source": source, "counts": counts[draft_ids].tolist()}
+def target_ids_of(d2t: torch.Tensor) -> torch.Tensor:
+    """d2t offsets [Vd] -> the target id of each draft index (the inverse of d2t_offsets)."""
+    return d2t + torch.arange(d2t.numel())
+
+
+def counts_record(target_ids: torch.Tensor, counts: torch.Tensor, source: str) -> dict:
+    """What COUNTS_FILE holds: per draft index (d2t order) its target id and count, and where the counts
+    come from. The ids bind the counts to one draft vocab: read against another, they are refused."""
+    return {"source": source, "target_ids": target_ids.tolist(), "counts": counts.tolist()}
 
 
 def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
@@ -61,7 +67,7 @@ def prune_draft_vocab(sd: dict[str, torch.Tensor], keep: torch.Tensor) -> dict[s
     """An SGLang-format drafter's tensors with only the draft indices `keep` (ascending): lm_head rows, d2t
     and t2d follow. The kept rows' logits are the same numbers, so a greedy draft equals the full drafter's
     wherever that one lies in `keep` (FR-Spec's frequency-ranked draft head, cut after training)."""
-    target_ids = (sd["d2t"] + torch.arange(sd["d2t"].numel()))[keep]
+    target_ids = target_ids_of(sd["d2t"])[keep]
     t2d = torch.zeros_like(sd["t2d"])
     t2d[target_ids] = True
     return {**sd, "lm_head.weight": sd["lm_head.weight"][keep].contiguous(), "d2t": d2t_offsets(target_ids), "t2d": t2d}

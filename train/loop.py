@@ -267,5 +267,5 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
                  "on any number of processes", tc.stop_after, step)
     elif accelerator.is_main_process:
         export(cfg, accelerator.unwrap_model(objective).drafter, source, step, coverage, settings, runtime,
-               counts_record(counts, draft_ids, "assistant tokens of the training samples"))
+               counts_record(draft_ids, counts[draft_ids], "assistant tokens of the training samples"))
     return out

@@ -30,7 +30,7 @@ from core.config import load_config
 from core.errors import UserError
 from core.manifest import MANIFEST, check_compat, fingerprint, read_manifest
 from core.target import load_tokenizer, target_info
-from train.draft_vocab import COUNTS_FILE, most_frequent, prune_draft_vocab
+from train.draft_vocab import COUNTS_FILE, counts_record, most_frequent, prune_draft_vocab, target_ids_of
 
 log = logging.getLogger("train")
 SHAREGPT_SOURCE = "ShareGPT train-split assistant answers (original text), tokenized by the target's tokenizer"
@@ -59,14 +59,14 @@ def draft_counts(drafter: Path, sd: dict, how: str, cfg) -> tuple[torch.Tensor, 
         if sd["t2d"].numel() != vocab:
             raise UserError(f"{drafter}: a drafter for a target vocab of {sd['t2d'].numel()}, but target.model "
                             f"{cfg.target.model!r} has {vocab}: pass --config of the drafter's target")
-        target_ids = sd["d2t"] + torch.arange(sd["d2t"].numel())
-        return sharegpt_counts(cfg, vocab)[target_ids], SHAREGPT_SOURCE
+        return sharegpt_counts(cfg, vocab)[target_ids_of(sd["d2t"])], SHAREGPT_SOURCE
     path = drafter / COUNTS_FILE
     if not path.is_file():
         raise UserError(f"{path} missing (a drafter trained before train wrote it): pass --counts sharegpt")
     rec = json.loads(path.read_text())
-    if len(rec["counts"]) != sd["d2t"].numel():
-        raise UserError(f"{path}: {len(rec['counts'])} counts for a draft vocab of {sd['d2t'].numel()}")
+    if rec.get("target_ids") != target_ids_of(sd["d2t"]).tolist() or len(rec["counts"]) != sd["d2t"].numel():
+        raise UserError(f"{path}: counts of another draft vocab than {drafter / 'model.safetensors'}'s "
+                        "(re-export the drafter, or pass --counts sharegpt)")
     return torch.tensor(rec["counts"], dtype=torch.int64), rec["source"]
 
 
@@ -90,7 +90,7 @@ def prune(drafter: Path, size: int, out: Path, how: str, cfg) -> dict:
             cfg_json = json.loads((drafter / name).read_text())
             cfg_json["draft_vocab_size"] = size
             atomic_write_json(tmp / name, cfg_json)
-        atomic_write_json(tmp / COUNTS_FILE, {"source": source, "counts": counts[keep].tolist()})
+        atomic_write_json(tmp / COUNTS_FILE, counts_record(target_ids_of(sd["d2t"])[keep], counts[keep], source))
         if (drafter / MANIFEST).is_file():  # eval reads the target from it
             manifest = json.loads((drafter / MANIFEST).read_text())
             manifest["counts"]["pruned_draft_vocab"] = record
@@ -120,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
                  record["counts_source"])
 
     setup_logging()
-
     return run_main("train.prune_vocab", report, load_config(args.config, []))
 
 

@@ -129,14 +129,14 @@ def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, steps: int, at
     b, t = input_ids.shape
     # step k reads token x[t+k+1] at row t (shift_left(input_ids, k + 1)): one projection of x[1:] padded by
     # K zeros serves every step as rows k..k+T of it
-    token_qkv = drafter.token_qkv(F.pad(input_ids[:, 1:], (0, steps)))
+    all_steps = drafter.token_qkv(F.pad(input_ids[:, 1:], (0, steps)))
     for k in range(steps):
-        tokens, pos = tuple(y[:, k:k + t] for y in token_qkv), positions + k
+        token_qkv, pos = tuple(y[:, k:k + t] for y in all_steps), positions + k
         rows = () if active is None or k == 0 else (active[k],)
         if rows:
-            hidden, tokens, pos = hidden[rows[0]], tuple(y[rows[0]] for y in tokens), pos[rows[0]]
+            hidden, token_qkv, pos = hidden[rows[0]], tuple(y[rows[0]] for y in token_qkv), pos[rows[0]]
         # tuples: a checkpoint's recompute must see the keys as they were, not the grown list
-        args = (drafter, hidden, tokens, pos, tuple(keys), tuple(values), attention, block_masks[k], doc_ids, *rows)
+        args = (drafter, hidden, token_qkv, pos, tuple(keys), tuple(values), attention, block_masks[k], doc_ids, *rows)
         fn = ttt_step_rows if rows else step_fn
         if checkpoint:
             hidden, kk, vv = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
