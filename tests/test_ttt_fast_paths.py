@@ -300,3 +300,24 @@ def test_step_benchmark_runs_and_records_a_finite_step(tmp_path):
     assert rec["impl"] == "eagle3" and rec["seq_len"] == 64 and "error" not in rec
     assert rec["grads_finite"] and rec["weights_finite"] and rec["tokens_per_s"] > 0
     assert rec["loss"] > 0 and rec["loss"] < float("inf")
+
+
+def test_teacher_probabilities_are_kept_in_the_matmul_dtype():
+    """teacher_targets stores p in draft_head's dtype: bf16 under bf16 training (half the tensor the head loss
+    reads once per step), the fp32 softmax rounded once; fp32 stays fp32. Rows that are never a target stay 0."""
+    from train.ttt_loss import teacher_targets
+
+    g = torch.Generator().manual_seed(4)
+    final, head = torch.randn(2, 12, 16, generator=g), torch.randn(24, 16, generator=g)
+    mask = (torch.rand(2, 12, generator=g) < 0.6).to(torch.uint8)
+    t2d = torch.zeros(40, dtype=torch.bool)
+    t2d[:24] = True
+    argmax = torch.randint(0, 40, (2, 12), generator=g)
+    need = torch.zeros(2, 12, dtype=torch.bool)
+    need[:, :-1] = mask[:, 1:].bool()
+    for dtype in (torch.float32, torch.bfloat16):
+        p, top, in_vocab = teacher_targets(final, mask, head.to(dtype), t2d, argmax)
+        assert p.dtype == dtype
+        want = torch.softmax((final.to(dtype) @ head.to(dtype).T).float(), -1).to(dtype)
+        torch.testing.assert_close(p[need], want[need], rtol=0, atol=0)
+        assert not p[~need].any() and torch.equal(in_vocab[need], t2d[argmax[need]])

@@ -114,8 +114,10 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
 
 def _causal_kernel(device_type: str, kernel: str = "flash"):
     """-> (forward(q, k, v, scale) -> (out, lse [B,nh,T] fp32, state), backward(dout, q, k, v, out, lse, state,
-    scale) -> (dq, dk, dv)): a causal kernel whose backward takes any (out, lse) pair. kernel (CUDA): "flash"
-    (FlashAttention-2) or "cudnn" (cuDNN's fused attention: its log-sum-exp is [B,nh,T,1], natural log)."""
+    scale) -> (dq, dk, dv), grouped): a causal kernel whose backward takes any (out, lse) pair; grouped: it reads
+    k/v with fewer heads than q (GQA) itself, so they need no copy per query head. kernel (CUDA): "flash"
+    (FlashAttention-2) or "cudnn" (cuDNN's fused attention: its log-sum-exp is [B,nh,T,1], natural log; GQA
+    native, which saves four [B,nh,T,d] copies and two head sums per step)."""
     aten = torch.ops.aten
     if device_type == "cpu":
         def forward(q, k, v, scale):
@@ -125,7 +127,7 @@ def _causal_kernel(device_type: str, kernel: str = "flash"):
         def backward(dout, q, k, v, out, lse, state, scale):
             return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, True,
                                                                              scale=scale)
-        return forward, backward
+        return forward, backward, False
     if kernel == "cudnn":
         def forward(q, k, v, scale):  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset, debug)
             r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
@@ -136,7 +138,7 @@ def _causal_kernel(device_type: str, kernel: str = "flash"):
             return aten._scaled_dot_product_cudnn_attention_backward(
                 dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k,
                 0.0, True, scale=scale)
-        return forward, backward
+        return forward, backward, True
 
     def forward(q, k, v, scale):  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug)
         r = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
@@ -146,7 +148,7 @@ def _causal_kernel(device_type: str, kernel: str = "flash"):
         cum_q, cum_k, max_q, max_k, rng_state, unused = state
         return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
                                                                  0.0, True, rng_state, unused, scale=scale)
-    return forward, backward
+    return forward, backward, False
 
 
 def _expand(x: torch.Tensor, rep: int) -> torch.Tensor:
@@ -212,7 +214,8 @@ class _MergedAttention(torch.autograd.Function):
         n = len(kv) // 2
         keys, values = kv[:n], kv[n:]
         rep, scale = q.shape[1] // keys[0].shape[1], q.shape[-1] ** -0.5
-        fwd, _ = _causal_kernel(q.device.type, kernel)
+        fwd, _, grouped = _causal_kernel(q.device.type, kernel)
+        rep = 1 if grouped else rep  # the kernel's own GQA: k/v as they are
         out0, lse0, state = fwd(q, _expand(keys[0], rep), _expand(values[0], rep), scale)
         merge = compiled(merge_diagonal, dynamic=False) if q.is_cuda else merge_diagonal
         out, lse = merge(q, out0, lse0, tuple(keys[1:]), tuple(values[1:]))
@@ -226,7 +229,7 @@ class _MergedAttention(torch.autograd.Function):
         n = len(kv) // 2
         keys, values = kv[:n], kv[n:]
         rep, scale = ctx.rep, ctx.scale
-        _, bwd = _causal_kernel(q.device.type, ctx.kernel)
+        _, bwd, _ = _causal_kernel(q.device.type, ctx.kernel)
         dout = dout.contiguous()
         dq, dk0, dv0 = bwd(dout, q, _expand(keys[0], rep), _expand(values[0], rep), out, lse, ctx.state, scale)
         dkeys, dvalues = [_fold(dk0, rep)], [_fold(dv0, rep)]

@@ -54,16 +54,17 @@ def teacher_targets(final: torch.Tensor, loss_mask: torch.Tensor, draft_head: to
     """final [B,T,H] -> (p [B,T,Vd] target probs renormalised over the draft vocab,
     top [B,T] draft index of the target argmax, in_vocab [B,T] whether that argmax is in the draft vocab).
     draft_head [Vd,H]: the target lm_head's draft-vocab rows, in the matmul dtype (bf16 on GPU; softmax
-    in fp32). argmax [B,T]: the full-vocab argmax (`teacher_argmax`, precomputed once per sample).
+    in fp32, p stored in that dtype: bf16 halves the [B,T,Vd] tensor the head loss reads K times, as SpecForge
+    keeps its target_p). argmax [B,T]: the full-vocab argmax (`teacher_argmax`, precomputed once per sample).
     Only positions j whose next token is an assistant token (loss_mask[j+1]) of the same document (doc_ids
     [B,T] of packed rows) are ever a target, so only those rows are computed."""
     b, t, h = final.shape
     need = teacher_positions(loss_mask, doc_ids)  # [B,T]
     target_to_draft = torch.cumsum(t2d.long(), 0) - 1  # target id -> draft index (where t2d)
-    p = final.new_zeros(b, t, draft_head.shape[0], dtype=torch.float32)
+    p = final.new_zeros(b, t, draft_head.shape[0], dtype=draft_head.dtype)
     top = torch.zeros(b, t, dtype=torch.long, device=final.device)
     in_vocab = torch.zeros(b, t, dtype=torch.bool, device=final.device)
-    p[need] = torch.softmax((final[need].to(draft_head.dtype) @ draft_head.T).float(), -1)
+    p[need] = torch.softmax((final[need].to(draft_head.dtype) @ draft_head.T).float(), -1).to(p.dtype)
     top[need] = target_to_draft[argmax[need]].clamp(min=0)
     in_vocab[need] = t2d[argmax[need]]
     return p, top, in_vocab
