@@ -123,9 +123,11 @@ def _block_mask(t: int, steps: int, device: torch.device):
 
 def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, steps: int, attention: str, block_masks: tuple,
                doc_ids, checkpoint: bool, step_fn=ttt_step, active: tuple | None = None) -> list[torch.Tensor]:
-    """The K steps, each on the previous one's output -> each step's h2 [B,T,H]. active: None, or per step
-    k >= 1 the rows (bi, ti) that step k or a later one counts: those steps run on those rows only (zeros
-    elsewhere in their h2), `ttt_step_rows`."""
+    """The K steps, each on the previous one's output -> each step's norm(h2) [B,T,H], the lm_head's input:
+    normed inside the unroll, so a compiled unroll fuses the norm (forward and backward) into its own kernels
+    instead of running it eagerly on the gathered rows. active: None, or per step k >= 1 the rows (bi, ti)
+    that step k or a later one counts: those steps run on those rows only (zeros elsewhere in their h2),
+    `ttt_step_rows`."""
     hidden, keys, values, hiddens = aux, [], [], []
     b, t = input_ids.shape
     # step k reads token x[t+k+1] at row t (shift_left(input_ids, k + 1)): one projection of x[1:] padded by
@@ -147,7 +149,7 @@ def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, steps: int, at
             hidden = scatter_rows(hidden, rows[0], b, t)
         keys.append(kk)
         values.append(vv)
-        hiddens.append(hidden)
+        hiddens.append(drafter.norm(hidden))
     return hiddens
 
 
@@ -207,9 +209,9 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
     else:
         hiddens = ttt_unroll(*args, active=later_rows(masks) if prune_rows else None)
     xs, rows = [], []
-    for k, hidden in enumerate(hiddens):
+    for k, normed in enumerate(hiddens):
         bi, ti = where[k]
-        xs.append(drafter.norm(hidden[bi, ti]))  # [n_k,H]: the rows that count
+        xs.append(normed[bi, ti])  # [n_k,H]: the rows that count
         rows.append(bi * t + ti + k + 1)  # their teacher: the target's distribution at t+k+1
     counts = torch.stack([m.sum() for m in masks])
     scales = decay ** torch.arange(steps, device=aux.device) / counts.clamp(min=1)
