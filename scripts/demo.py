@@ -7,8 +7,9 @@ interpreter saves ~4 s of imports per stage on a 2-core machine).
 
 Sizes follow the machine: the config's (1216 samples, 5 epochs) where they fit ~20 min, on a GPU or
 a CPU with native bf16 and fast fp32 matmul (an AVX-512 Xeon here: 13-19 min); MEDIUM on a CPU with
-native bf16 and slower fp32 (an AVX512-BF16 EPYC here: compact in 10:17, full sizes ~23 min); COMPACT
-without native bf16 (a 2-core AVX2 EPYC here ran the full sizes in 38:42). key=value arguments override any.
+native bf16 and slower fp32 (an AVX512-BF16 EPYC here: compact in 10:17, full sizes ~23 min); COMPACT_FAST or
+COMPACT without native bf16, by its fp32 rate (a 2-core AVX2 EPYC here ran the full sizes in 38:42). key=value
+arguments override any.
 """
 
 import gc
@@ -35,6 +36,10 @@ FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores: ~290 on the AVX-512 Xeon, 1
 COMPACT = ["data_gen.num_samples=448", "train.epochs=4", "eval.max_new_tokens=64", "eval.max_prompts=12"]
 # MEDIUM on the AVX512-BF16 EPYC: 832 x 4 took 13:57 (τ 1.502); with data_gen decoding in bf16, 1024 x 5 took 15:07 (1.577)
 MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5", *COMPACT[2:]]
+# without native bf16 the fp32 rate decides: the AVX2 EPYC ran COMPACT in 15:13 in a slow hour and in 10:09 at
+# 184 GFLOP/s, and 704 samples in 13:27 at 184 (τ 1.481 vs 1.406 for 448; docs/PERFORMANCE.md runs 22-23)
+FAST_FP32_GFLOPS = 170.0
+COMPACT_FAST = ["data_gen.num_samples=704", *COMPACT[1:]]
 
 
 def fp32_matmul_gflops() -> float:
@@ -51,13 +56,13 @@ def fp32_matmul_gflops() -> float:
 
 def machine_sizes() -> list[str]:
     """[] (the config's sizes) on a GPU or a fast CPU with native bf16; MEDIUM on a slower one with native
-    bf16; COMPACT without it; either said aloud."""
+    bf16; without it COMPACT_FAST where fp32 is fast, else COMPACT; either said aloud."""
     if torch.cuda.is_available():
         return []
     gflops, bf16 = fp32_matmul_gflops(), resolve_precision("auto") == "bf16"
     if bf16 and gflops >= FULL_SPEED_GFLOPS:
         return []
-    sizes = MEDIUM if bf16 else COMPACT
+    sizes = MEDIUM if bf16 else COMPACT_FAST if gflops >= FAST_FP32_GFLOPS else COMPACT
     print(f"demo: this CPU runs fp32 matmul at {gflops:.0f} GFLOP/s{' (native bf16)' if bf16 else ' and has no native bf16'}: "
           f"smaller sizes ({' '.join(sizes)}) keep the demo under 20 min; the config's full sizes take ~23-40 min "
           "on a 2-core CPU like this: make demo ARGS=\"data_gen.num_samples=1216 train.epochs=5 eval.max_new_tokens=96 "
