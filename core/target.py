@@ -178,9 +178,11 @@ def load_tokenizer(cfg: RunConfig):
 
 def load_target(cfg: RunConfig, device: torch.device | None = None):
     """(model in eval mode on device, tokenizer). Weights come from safetensors only. Decode steps (one
-    query token) attend through core/decode_attention.py; every other call through transformers' SDPA."""
+    query token) attend through core/decode_attention.py; every other call through transformers' SDPA.
+    On a CPU, fp32 products of few rows run split across the threads (core/cpu_linear.py)."""
     from transformers import AutoModelForCausalLM
 
+    from core.cpu_linear import split_cpu_linears
     from core.decode_attention import use_decode_attention
 
     path = resolve_target(cfg)
@@ -192,6 +194,7 @@ def load_target(cfg: RunConfig, device: torch.device | None = None):
                                                  use_safetensors=True).to(device).eval()
     model.requires_grad_(False)
     use_decode_attention(model)
+    split_cpu_linears(model)
     return model, load_tokenizer(cfg)
 
 

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from core.chat import eval_prompt_ids
 from core.config import RunConfig, check_ranges, to_dict
+from core.cpu_linear import split_cpu_linears
 from core.decode import generate, speculative_generate
 from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
@@ -85,7 +86,7 @@ def load_engine(cfg: RunConfig, draft_dir: Path):
     info = target_info(cfg)
     drafter = Eagle3Drafter.from_pretrained(Path(draft_dir), load_target_embeddings(cfg).embed, info.model_type,
                                             info.num_layers).to(model.device, model.dtype).eval()
-    return model, tok, drafter, end_of_turn_ids(tok, model.generation_config)
+    return model, tok, split_cpu_linears(drafter), end_of_turn_ids(tok, model.generation_config)
 
 
 def hf_eval(cfg: RunConfig, items: list[tuple[str, list[int]]], draft_dir: Path) -> tuple[dict, list[dict]]:

@@ -13,6 +13,7 @@ import torch
 
 from core.chat import eval_prompt_ids
 from core.config import RunConfig
+from core.cpu_linear import split_cpu_linears
 from core.decode import acceptance_length, speculative_generate
 from core.drafter import Eagle3Drafter
 from core.target import end_of_turn_ids, load_target, load_tokenizer
@@ -40,7 +41,7 @@ class TauProbe:
             self.stop = end_of_turn_ids(tok, self.model.generation_config)
             self.items = eval_prompt_ids(self.cfg, tok, limit=self.cfg.train.tau_prompts)
         with torch.random.fork_rng(devices=[]):  # building the copy draws init weights: keep training's RNG stream
-            draft = drafter.exported_copy().to(self.model.device, self.model.dtype).eval()
+            draft = split_cpu_linears(drafter.exported_copy().to(self.model.device, self.model.dtype).eval())
         lengths = []
         for _, ids in self.items:
             out = speculative_generate(self.model, draft, ids, self.cfg.train.tau_new_tokens, self.stop,
