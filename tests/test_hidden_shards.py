@@ -168,3 +168,28 @@ def test_write_safetensors_is_read_by_safetensors_itself(tmp_path):
     assert got.keys() == tensors.keys()
     for k, v in tensors.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_teacher_argmax_over_several_samples_per_product_matches_one_sample_at_a_time(tmp_path):
+    """train's precompute_argmax batches the rows of several samples into one lm_head product: each sample
+    gets back its own rows' argmax, in place (a sample with no answer rows and max_len cuts included)."""
+    from train.data import precompute_argmax
+    from train.ttt_loss import teacher_argmax
+
+    lengths = [12, 7, 20, 9, 15]
+    with ShardWriter(tmp_path, H, "float32", shard_mb=64) as w:
+        for i, t in enumerate(lengths):
+            ids, mask, aux, final = sample(i, t)
+            w.add(f"s{i}", ids, mask * 0 if i == 1 else mask, aux, final)
+    shards, head = HiddenShards(tmp_path), torch.randn(50, H)
+    for on_prompt in (False, True):
+        want = {}
+        for i in range(len(lengths)):
+            s = shards.load(f"s{i}")
+            need = torch.ones_like(s["loss_mask"]) if on_prompt else s["loss_mask"]
+            need = torch.cat([need[1:], need.new_zeros(1)]).bool()  # positions whose next token counts
+            need[14:] = False
+            want[f"s{i}"] = torch.where(need, teacher_argmax(s["final"], head), 0)
+        for rows_per_call in (1, 8, 4096):
+            got = precompute_argmax(shards, head, 14, on_prompt, rows_per_call)
+            assert all(torch.equal(got[k], v) for k, v in want.items()), (on_prompt, rows_per_call)
