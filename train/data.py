@@ -103,7 +103,8 @@ def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on
             arg = teacher_argmax(torch.cat(rows).to(head.device), head).cpu()
             for (sid, need), part in zip(pending, arg.split([int(n.sum()) for _, n in pending]), strict=True):
                 out[sid][need] = part
-            pending.clear(), rows.clear()
+            pending.clear()
+            rows.clear()
 
     for sid in tqdm(shards.ids, desc="teacher argmax", unit="sample"):
         s = shards.load(sid, names=("loss_mask", "final"))
