@@ -10,8 +10,6 @@ the backward only scales them. The math is the plain path's; tests compare the t
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 
@@ -24,7 +22,7 @@ def soft_ce_sums(z: torch.Tensor, p: torch.Tensor, top: torch.Tensor):
 def chunk_terms(z: torch.Tensor, p: torch.Tensor, top: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor):
     """One chunk: z [c,Vd] logits; its targets are rows `rows` of p [R,Vd] / top [R]; scale [c] the
     weight of each row's loss. -> (loss per row [c], correct per row [c], d total / d z [c,Vd] in z's dtype).
-    Elementwise only, so a compiled copy fuses it into a few passes over the chunk."""
+    The reference for CUDA's one-kernel copy (train/head_loss_kernel.py)."""
     pc = p[rows].float()
     logp = torch.log_softmax(z.float(), -1)
     g = (logp.exp() * pc.sum(-1, keepdim=True) - pc) * scale[:, None]
@@ -40,9 +38,14 @@ def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
         acc += (a @ b).to(acc.dtype)
 
 
-@functools.cache
-def _compiled_chunk_terms():
-    return torch.compile(chunk_terms, dynamic=True)
+def terms_for(device: torch.device):
+    """The chunk's elementwise terms: on CUDA one Triton kernel (train/head_loss_kernel.py: 0.4-0.5 of
+    torch.compile's time at the 8B shape), elsewhere `chunk_terms` as it reads."""
+    if device.type != "cuda":
+        return chunk_terms
+    from train.head_loss_kernel import fused_chunk_terms
+
+    return fused_chunk_terms
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -81,12 +84,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 
 def draft_head_loss(xs: list[torch.Tensor], weight: torch.Tensor, p: torch.Tensor, top: torch.Tensor,
-                    rows: list[torch.Tensor], scales: torch.Tensor, chunk: int, compiled: bool = False):
+                    rows: list[torch.Tensor], scales: torch.Tensor, chunk: int):
     """xs: per step k, the normed hidden rows [n_k,H] that count; rows: per step, their teacher rows
     (indices into p [R,Vd] and top [R]); scales [K]. -> (sum_k scales[k] * loss_sum_k, loss sums [K],
     correct [K]). chunk = rows per chunk (0: plain autograd, the reference path). Under autocast the
-    matmuls run in its dtype, softmax in fp32, as the plain path's would. compiled: the chunk's elementwise
-    terms through torch.compile."""
+    matmuls run in its dtype, softmax in fp32, as the plain path's would."""
     device = weight.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else xs[0].dtype
     if chunk == 0:
@@ -96,6 +98,5 @@ def draft_head_loss(xs: list[torch.Tensor], weight: torch.Tensor, p: torch.Tenso
     step_of_row = torch.cat([torch.full((x.shape[0],), k, device=device) for k, x in enumerate(xs)])
     with torch.autocast(device.type, enabled=False):
         total, loss_sums, correct = _ChunkedHeadLoss.apply(torch.cat([x.to(dtype) for x in xs]), weight, p, top, torch.cat(rows),
-                                                           step_of_row, scales, chunk, dtype,
-                                                           _compiled_chunk_terms() if compiled else chunk_terms)
+                                                           step_of_row, scales, chunk, dtype, terms_for(device))
     return total, loss_sums.detach(), correct

@@ -64,9 +64,11 @@ def teacher_targets(final: torch.Tensor, loss_mask: torch.Tensor, draft_head: to
     p = final.new_zeros(b, t, draft_head.shape[0], dtype=draft_head.dtype)
     top = torch.zeros(b, t, dtype=torch.long, device=final.device)
     in_vocab = torch.zeros(b, t, dtype=torch.bool, device=final.device)
-    p[need] = torch.softmax((final[need].to(draft_head.dtype) @ draft_head.T).float(), -1).to(p.dtype)
-    top[need] = target_to_draft[argmax[need]].clamp(min=0)
-    in_vocab[need] = t2d[argmax[need]]
+    rows = need.nonzero(as_tuple=True)  # once: each boolean index would wait for the device again
+    p[rows] = torch.softmax(final[rows].to(draft_head.dtype) @ draft_head.T, -1, dtype=torch.float32).to(p.dtype)
+    hit = argmax[rows]
+    top[rows] = target_to_draft[hit].clamp(min=0)
+    in_vocab[rows] = t2d[hit]
     return p, top, in_vocab
 
 
@@ -177,9 +179,9 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
     synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`).
     attention: "dense" | "flex" | "flash" | "cudnn" (train/ttt_attention.py); loss_chunk: rows per chunk of the fused
     head loss (0: plain autograd; train/draft_head_loss.py); checkpoint: recompute each step's layer in the
-    backward instead of keeping its activations; compile: True: the step's layer and the head loss's elementwise
-    terms through torch.compile (fuses norms, RoPE, SiLU, softmaxes), one graph per step; "unroll": all K steps
-    as one graph (autocast's weight casts once, not K times; the K gradients of each weight summed inside it).
+    backward instead of keeping its activations; compile: True: the step's layer through torch.compile (fuses
+    norms, RoPE, SiLU, softmaxes), one graph per step; "unroll": all K steps as one graph (autocast's weight
+    casts once, not K times; the K gradients of each weight summed inside it).
     doc_ids, positions [B,T]: packed rows (train/packing.py): each token's document in its row (-1 on padding)
     and its position in that document. prune_rows (eager only: compiled graphs want static shapes): steps >= 1
     run only on the rows that they or a later step count (`ttt_step_rows`); the same loss and gradients."""
@@ -196,7 +198,6 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
             raise ValueError(f"{attention} TTT attention takes one document per row, not packed rows")
         doc_ids = F.pad(doc_ids, (0, tp - t), value=-1)  # flex's block padding: one more run of padding
     masks = [counted(loss_mask, in_vocab, doc_ids, k) for k in range(steps)]  # [B,T]
-    where = [m.nonzero(as_tuple=True) for m in masks]
     block_masks = [None] * steps
     if attention == "flex":  # without documents the masks depend on the length only: built once per length
         block_masks = [ttt_block_mask(tp, k + 1, aux.device, doc_ids) if doc_ids is not None else
@@ -208,6 +209,8 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
         hiddens = ttt_unroll(*args, step_fn=compiled(ttt_step))
     else:
         hiddens = ttt_unroll(*args, active=later_rows(masks) if prune_rows else None)
+    # the rows that count, once the unroll is queued: nonzero waits for the device, which now has work meanwhile
+    where = [m.nonzero(as_tuple=True) for m in masks]
     xs, rows = [], []
     for k, normed in enumerate(hiddens):
         bi, ti = where[k]
@@ -216,7 +219,7 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
     counts = torch.stack([m.sum() for m in masks])
     scales = decay ** torch.arange(steps, device=aux.device) / counts.clamp(min=1)
     total, loss_sums, correct = draft_head_loss(xs, drafter.lm_head.weight, p.flatten(0, 1), top.flatten(), rows,
-                                                scales, loss_chunk, compiled=bool(compile))
+                                                scales, loss_chunk)
     return total, {"loss_sum": loss_sums, "correct": correct.float(), "count": counts.float()}
 
 

@@ -1,0 +1,77 @@
+"""`chunk_terms` of train/draft_head_loss.py as one Triton kernel (CUDA): two passes over each row.
+
+The chunk's elementwise terms read its logits z [c,Vd] and the teacher rows p[rows] [c,Vd] and write the
+gradient g [c,Vd]. torch.compile made them a 1.66 ms pass per 8192-row chunk at the 8B shape (Vd 32000),
+~3x its bytes (docs/PERFORMANCE.md). Here one program owns a row: pass 1 walks z and p once for the row's
+max, sum of exp, sum(p) and sum(p*z); pass 2 walks them again (a row is 128 KB: the second read mostly hits
+L2) to write g = (softmax(z) * sum(p) - p) * scale and find argmax(z - lse) as torch.argmax would (the
+first of equal values). loss = -sum(p * (z - lse)) = sum(p) * lse - sum(p*z). Softmax math in fp32, as in
+`chunk_terms`; tests/test_head_loss_kernel.py holds the two to 1e-5 under Triton's interpreter on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048  # elements of a row per iteration: 2 x 8 KB of bf16 in flight per program
+
+
+@triton.jit
+def _row_terms(z_ptr, p_ptr, g_ptr, rows_ptr, top_ptr, scale_ptr, loss_ptr, right_ptr, vd,
+               stride_z, stride_p, stride_g, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i)
+    z_row, p_row, g_row = z_ptr + i.to(tl.int64) * stride_z, p_ptr + row.to(tl.int64) * stride_p, \
+        g_ptr + i.to(tl.int64) * stride_g
+    offs = tl.arange(0, BLOCK)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    sp = tl.zeros((), tl.float32)
+    spz = tl.zeros((), tl.float32)
+    for start in range(0, vd, BLOCK):  # pass 1: online max and sum of exp; sum(p), sum(p*z)
+        cols = start + offs
+        inside = cols < vd
+        z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        p = tl.load(p_row + cols, mask=inside, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m = m_new
+        sp += tl.sum(p, 0)
+        spz += tl.sum(p * tl.where(inside, z, 0.0), 0)
+    lse = m + tl.log(s)
+    scale = tl.load(scale_ptr + i)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_at = tl.zeros((), tl.int32)
+    for start in range(0, vd, BLOCK):  # pass 2: the gradient and the argmax of log-probs
+        cols = start + offs
+        inside = cols < vd
+        z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        p = tl.load(p_row + cols, mask=inside, other=0.0).to(tl.float32)
+        logp = z - lse
+        g = (tl.exp(logp) * sp - p) * scale
+        tl.store(g_row + cols, g.to(g_ptr.dtype.element_ty), mask=inside)
+        block_best = tl.max(logp, 0)
+        block_at = tl.argmax(logp, 0, tie_break_left=True)
+        better = block_best > best  # strictly: an earlier block keeps a tie, as torch.argmax keeps the first
+        best_at = tl.where(better, start + block_at, best_at)
+        best = tl.maximum(best, block_best)
+    tl.store(loss_ptr + i, sp * lse - spz)
+    tl.store(right_ptr + i, (best_at == tl.load(top_ptr + row)).to(tl.int8))
+
+
+def fused_chunk_terms(z: torch.Tensor, p: torch.Tensor, top: torch.Tensor, rows: torch.Tensor,
+                      scale: torch.Tensor):
+    """`chunk_terms(z, p, top, rows, scale)`: -> (loss per row [c] fp32, correct per row [c] bool, g [c,Vd] in
+    z's dtype). z and p row-major in their last dim (a chunk's product and the teacher tensor are)."""
+    c, vd = z.shape
+    if z.stride(1) != 1 or p.stride(1) != 1:
+        raise ValueError("fused_chunk_terms: z and p must be contiguous in their last dim")
+    g = torch.empty_like(z)
+    loss = torch.empty(c, dtype=torch.float32, device=z.device)
+    right = torch.empty(c, dtype=torch.int8, device=z.device)
+    if c:
+        _row_terms[(c,)](z, p, g, rows, top, scale.float().contiguous(), loss, right, vd,
+                         z.stride(0), p.stride(0), g.stride(0), BLOCK=BLOCK, num_warps=8)
+    return loss, right.bool(), g
