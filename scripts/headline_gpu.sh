@@ -12,6 +12,8 @@
 # third carry's `restore` puts them back before `start`, and data_gen continues where they end.
 # Issue 13's training-step benchmark the same way (one command, past the 10 min a device command may run):
 #   device: PIPELINE=train-step VARIANTS=fast_unroll,fast_unroll_flash scripts/headline_gpu.sh start wait  # carry .carry
+#   (.carry: specforge-0.2.0-py3-none-any.whl, specforge_step.py from ../shared/bench, and whl/ with the wheels of
+#   datasets 5.2.0, dill 0.4.1 and multiprocess 0.70.19: `pip download --no-deps` of each)
 # Or phase by phase, each in the foreground: generate, train, eval, bench, results.
 # The tree travels with every command and results/ holds a tracked drafter (29 MB): for the session, take it
 # out of what travels (`git rm -q --cached results/*/drafter/model.safetensors` and add that path to
@@ -114,6 +116,8 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     if [ "${PACK:-1}" != 0 ] && [ -n "${OUT:-}" ]; then exec "$0" pack; fi ;;
   train-step)  # issue 13's one command: our training step beside SpecForge's at each length (carry .carry)
     mkdir -p $S/logs
+    # the harness's own imports (datasets and its deps), which the GPU image lacks: wheels in .carry/whl
+    if [ -d .carry/whl ]; then "$PY" -m pip install -q --no-index --no-deps --target $S/site .carry/whl/*.whl; fi
     "$PY" scripts/bench_train_step.py --seqlens ${SEQLENS:-2048,4096,8192,16384} --variants ${VARIANTS:-fast_unroll} \
       --warmup 2 --iters 5 --specforge-wheel .carry/specforge-0.2.0-py3-none-any.whl \
       --specforge-harness .carry/specforge_step.py --out $S/logs/train_step.jsonl ${STEP_ARGS:-} 2>&1 | tee $S/logs/train_step.log ;;
