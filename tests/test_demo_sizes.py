@@ -33,8 +33,13 @@ def test_sizes_follow_the_machine(monkeypatch, capsys, gflops, precision, expect
     assert small.train.epochs == 7  # the user's override wins
 
 
-def test_the_matmul_rate_is_measured():
-    assert 1.0 < demo.fp32_matmul_gflops() < 1e5
+def test_the_matmul_rate_is_measured_over_the_whole_time(monkeypatch):
+    calls = []
+    product = demo.torch.Tensor.__matmul__
+    monkeypatch.setattr(demo.torch.Tensor, "__matmul__", lambda a, b: calls.append(1) or product(a, b))
+    start = demo.time.perf_counter()
+    assert 1.0 < demo.fp32_matmul_gflops(seconds=0.2) < 1e5
+    assert demo.time.perf_counter() - start >= 0.2 and len(calls) >= 3  # repeated for the time, not 3 tries
 
 
 @pytest.mark.parametrize("overrides, every", [(["data_gen.num_samples=448", "train.epochs=4", "train.batch_size=4"], 150),
