@@ -23,8 +23,9 @@ def _row_terms(z_ptr, p_ptr, g_ptr, rows_ptr, top_ptr, scale_ptr, loss_ptr, righ
                stride_z, stride_p, stride_g, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i)
-    z_row, p_row, g_row = z_ptr + i.to(tl.int64) * stride_z, p_ptr + row.to(tl.int64) * stride_p, \
-        g_ptr + i.to(tl.int64) * stride_g
+    z_row = z_ptr + i.to(tl.int64) * stride_z  # the chunk's row i
+    g_row = g_ptr + i.to(tl.int64) * stride_g
+    p_row = p_ptr + row.to(tl.int64) * stride_p  # its teacher row
     offs = tl.arange(0, BLOCK)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
@@ -72,6 +73,6 @@ def fused_chunk_terms(z: torch.Tensor, p: torch.Tensor, top: torch.Tensor, rows:
     loss = torch.empty(c, dtype=torch.float32, device=z.device)
     right = torch.empty(c, dtype=torch.int8, device=z.device)
     if c:
-        _row_terms[(c,)](z, p, g, rows, top, scale.float().contiguous(), loss, right, vd,
+        _row_terms[(c,)](z, p, g, rows.contiguous(), top.contiguous(), scale.float().contiguous(), loss, right, vd,
                          z.stride(0), p.stride(0), g.stride(0), BLOCK=BLOCK, num_warps=8)
     return loss, right.bool(), g
