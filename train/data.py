@@ -101,7 +101,7 @@ def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on
     def flush():
         if rows:
             arg = teacher_argmax(torch.cat(rows).to(head.device), head).cpu()
-            for (sid, need), part in zip(pending, arg.split([int(n.sum()) for _, n in pending]), strict=True):
+            for (sid, need), part in zip(pending, arg.split([r.shape[0] for r in rows]), strict=True):
                 out[sid][need] = part
             pending.clear()
             rows.clear()
