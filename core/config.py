@@ -44,6 +44,10 @@ class DataGenConfig:
     heldout_percent: float = _f(2.0, "percent of prompt ids held out for eval (split by id hash)", ge=0, le=100)
     max_turns: int = _f(1, "user turns regenerated per conversation: 1 = first turn, 0 = all", ge=0)
     n: int = _f(1, "answers per conversation (independent regenerations, ids <id>~<j>)", ge=1)
+    self_prompts: int = _f(0, "user turns the target writes itself from its chat template's user header (Magpie), "
+                              "answered after data_gen.prompts' own (hf backend; <run>/conversations/"
+                              "self_prompts.jsonl); more distinct prompts than a dataset holds", ge=0)
+    self_prompt_temperature: float = _f(1.0, "sampling temperature of those user turns", gt=0)
     reasoning: str = _f("drop", "reasoning/<think> text: drop | field (stored, not trained on) | "
                                 "render (trained on, with the template's thinking markup)")
     end_of_turn: list[str] = _f([], "strings that end an assistant turn (default: the tokenizer's eos tokens)")

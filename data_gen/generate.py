@@ -4,6 +4,7 @@
     python -m data_gen data_gen.backend=openai data_gen.base_url=http://127.0.0.1:30000/v1 \\
         data_gen.max_turns=0 data_gen.concurrency=64                               # any OpenAI server
     python -m data_gen --config configs/smollm2-135m-instruct.yaml data_gen.backend=dataset  # the source's answers
+    python -m data_gen --config configs/smollm2-135m-instruct.yaml data_gen.self_prompts=2000  # + its own questions
 
 Output: <run>/conversations/part-*.parquet (core/conversations.py), summary.json, manifest.json.
 Rerunning resumes: conversations already in a committed part are skipped, nothing is written twice;
@@ -41,6 +42,7 @@ from data_gen.conversation import Regeneration, regenerations, request_ids, to_r
 from data_gen.dataset_backend import check_answers, run_dataset
 from data_gen.hf_backend import HFBackend
 from data_gen.openai_client import ChatClient, Reply, RequestRejected, RetriesExhausted
+from data_gen.self_prompts import MAX_TURN_TOKENS, self_prompts, user_header_ids
 
 log = logging.getLogger("data_gen")
 PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
@@ -59,6 +61,9 @@ def check_options(cfg: RunConfig) -> None:
                          "e.g. data_gen.base_url=http://127.0.0.1:30000/v1")
     if dg.n < 1 or dg.max_turns < 0:
         raise UserError(f"data_gen.n must be >= 1 and data_gen.max_turns >= 0 (got {dg.n}, {dg.max_turns})")
+    if dg.self_prompts and dg.backend != "hf":
+        raise UserError(f"data_gen.self_prompts = {dg.self_prompts} needs data_gen.backend = hf (the target samples "
+                        f"its own user turns in-process), not {dg.backend}")
     if dg.backend == "dataset" and dg.n != 1:
         raise UserError(f"data_gen.n = {dg.n} with data_gen.backend = dataset: the source has one answer per turn, "
                         "use data_gen.n=1")
@@ -203,8 +208,10 @@ SETTINGS_KEYS = ("backend", "model_name", "prompts", "heldout_percent", "max_tur
 def generation_settings(cfg: RunConfig, template_hash: str) -> dict:
     """What shapes a conversation (not how fast it is made, nor how many): a rerun adds to or resumes
     an output dir only when these are the same, so one dir never mixes two targets or two settings."""
+    own = {"data_gen.self_prompt_temperature": cfg.data_gen.self_prompt_temperature} if cfg.data_gen.self_prompts else {}
     return {"target.model": cfg.target.model, "target.dtype": cfg.target.dtype, "seed": cfg.seed,
-            "chat_template_sha256": template_hash, **{f"data_gen.{k}": getattr(cfg.data_gen, k) for k in SETTINGS_KEYS}}
+            "chat_template_sha256": template_hash, **{f"data_gen.{k}": getattr(cfg.data_gen, k) for k in SETTINGS_KEYS},
+            **own}
 
 
 def main(cfg: RunConfig, fresh: bool = False) -> Path:
@@ -232,12 +239,22 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
         tokenize_conversation(tok, PROBE, eot, [False] * 4, dg.chat_template_kwargs, dg.reasoning == "render")
     except TemplateError as e:
         raise UserError(f"target {cfg.target.model}: {e}") from None
+    if dg.backend == "hf":
+        stop = sorted(set(end_of_turn_ids(tok, gen_cfg)) | set(tok.convert_tokens_to_ids(eot)))
+        graphs, fuse = decode_options(dg, model.device)
+        log.info("hf backend on %s: decode steps %s%s", model.device, "as CUDA graphs" if graphs else "eager",
+                 f", fused by torch.compile ({fuse})" if fuse else "")
+        backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, cfg.seed,
+                            resolve_precision(dg.mixed_precision) == "bf16", graphs, fuse)
+
+    def regenerate(chosen):  # similar lengths batch together
+        return [c for p, ids in sorted(chosen, key=lambda x: len(x[1]))
+                for c in regenerations(p, dg.max_turns, dg.n, dg.request_seed)]
 
     skipped: Counter[str] = Counter()
     prompts = load_prompts(dg.prompts, "train", dg.heldout_percent, dg.on_bad_record == "strict", skipped)
     chosen = fitting_prompts(prompts, tok, dg.max_prompt_tokens, dg.num_samples, skipped, dg.max_turns)
-    convs = [c for p, ids in sorted(chosen, key=lambda x: len(x[1]))  # similar lengths batch together
-             for c in regenerations(p, dg.max_turns, dg.n, dg.request_seed)]
+    convs = regenerate(chosen)
     if not convs:
         raise UserError(f"data_gen.prompts = {dg.prompts!r}: no prompt is left to generate from (skipped: "
                         f"{dict(skipped)}); check the file or raise data_gen.max_prompt_tokens")
@@ -249,6 +266,13 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
     write_manifest(out, "data_gen", cfg, compat, {"status": "in progress"}, {"prompts": dg.prompts}, settings)
     if n := remove_partial_writes(out):
         log.info("removed %d part files cut short by a kill (their conversations are redone)", n)
+    if dg.self_prompts:
+        header = user_header_ids(tok, dg.chat_template_kwargs)
+        own = self_prompts(out / "self_prompts.jsonl", dg.self_prompts, lambda i: backend.user_turns(
+            header, dg.batch_size, MAX_TURN_TOKENS, dg.self_prompt_temperature, cfg.seed * 1_000_003 + i),
+            dg.batch_size, set(tok.get_added_vocab()))
+        convs = regenerate(chosen + fitting_prompts(own, tok, dg.max_prompt_tokens, dg.self_prompts, skipped,
+                                                    dg.max_turns))
     done = done_ids(out)
     todo = [c for c in convs if c.id not in done]
     log.info("%d conversations selected (input skipped: %s), %d already done, %d to generate",
@@ -260,12 +284,6 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
     t0, failed, completed = time.time(), Counter(), True
     try:
         if dg.backend == "hf":
-            stop = sorted(set(end_of_turn_ids(tok, gen_cfg)) | set(tok.convert_tokens_to_ids(eot)))
-            graphs, fuse = decode_options(dg, model.device)
-            log.info("hf backend on %s: decode steps %s%s", model.device, "as CUDA graphs" if graphs else "eager",
-                     f", fused by torch.compile ({fuse})" if fuse else "")
-            backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, cfg.seed,
-                                resolve_precision(dg.mixed_precision) == "bf16", graphs, fuse)
             completed = run_hf(todo, backend, tok, cfg, sink, bar)
         elif dg.backend == "dataset":
             run_dataset(todo, tok, dg, backend_template_reasoning(tok, cfg), sink, bar)
