@@ -28,10 +28,14 @@ MANIFEST = "manifest.json"
 
 
 def git_sha() -> str:
+    """HEAD of the code's checkout, "+dirty" when tracked files differ from it (a copied tree whose .git is
+    older than its files, edits not committed): a manifest never names a commit the code was not."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).parent)
-        return out.stdout.strip() or "unknown"
+        git = ["git", "-C", str(Path(__file__).parent)]
+        sha = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return (sha + "+dirty" * bool(dirty)) if sha else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
