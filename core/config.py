@@ -45,7 +45,7 @@ class DataGenConfig:
     max_turns: int = _f(1, "user turns regenerated per conversation: 1 = first turn, 0 = all", ge=0)
     n: int = _f(1, "answers per conversation (independent regenerations, ids <id>~<j>)", ge=1)
     self_prompts: int = _f(0, "user turns the target writes itself from its chat template's user header (Magpie), "
-                              "answered after data_gen.prompts' own (hf backend; <run>/conversations/"
+                              "answered after data_gen.prompts' own (hf: in-process; openai: /v1/completions; <run>/conversations/"
                               "self_prompts.jsonl); more distinct prompts than a dataset holds", ge=0)
     self_prompt_temperature: float = _f(1.0, "sampling temperature of those user turns", gt=0)
     reasoning: str = _f("drop", "reasoning/<think> text: drop | field (stored, not trained on) | "

@@ -42,7 +42,7 @@ from data_gen.conversation import Regeneration, regenerations, request_ids, to_r
 from data_gen.dataset_backend import check_answers, run_dataset
 from data_gen.hf_backend import HFBackend
 from data_gen.openai_client import ChatClient, Reply, RequestRejected, RetriesExhausted
-from data_gen.self_prompts import MAX_TURN_TOKENS, self_prompts, user_header_ids
+from data_gen.self_prompts import MAX_TURN_TOKENS, self_prompts, user_header
 
 log = logging.getLogger("data_gen")
 PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
@@ -61,9 +61,9 @@ def check_options(cfg: RunConfig) -> None:
                          "e.g. data_gen.base_url=http://127.0.0.1:30000/v1")
     if dg.n < 1 or dg.max_turns < 0:
         raise UserError(f"data_gen.n must be >= 1 and data_gen.max_turns >= 0 (got {dg.n}, {dg.max_turns})")
-    if dg.self_prompts and dg.backend != "hf":
-        raise UserError(f"data_gen.self_prompts = {dg.self_prompts} needs data_gen.backend = hf (the target samples "
-                        f"its own user turns in-process), not {dg.backend}")
+    if dg.self_prompts and dg.backend == "dataset":
+        raise UserError(f"data_gen.self_prompts = {dg.self_prompts} with data_gen.backend = dataset: a dataset has no "
+                        "answers to questions the target wrote; use backend hf or openai")
     if dg.backend == "dataset" and dg.n != 1:
         raise UserError(f"data_gen.n = {dg.n} with data_gen.backend = dataset: the source has one answer per turn, "
                         "use data_gen.n=1")
@@ -145,20 +145,65 @@ def run_hf(todo: list[Regeneration], backend: HFBackend, tok, cfg: RunConfig, si
         return answer_parts(parts, dg.batch_size, advance, backend.answer, commit, stop.is_set)
 
 
-async def run_openai(todo: list[Regeneration], tok, cfg: RunConfig, sink: PartSink, bar) -> Counter:
-    """A pool of `concurrency` workers, each driving one conversation at a time through all its turns."""
+def chat_client(cfg: RunConfig) -> ChatClient:
     dg = cfg.data_gen
     api_key = os.environ.get(dg.api_key_env) if dg.api_key_env else None
-    log.info("openai backend: %s, model %r, concurrency %d, API key %s", dg.base_url, dg.model_name or cfg.target.model,
-             dg.concurrency, f"from ${dg.api_key_env}" if api_key else "none")
     params = {"max_tokens": dg.max_new_tokens, "temperature": dg.temperature, "top_p": dg.top_p, "n": 1}
     if dg.stop:
         params["stop"] = dg.stop
     if dg.chat_template_kwargs:  # SGLang and vLLM pass these to the template (e.g. enable_thinking)
         params["chat_template_kwargs"] = dg.chat_template_kwargs
-    client = ChatClient(dg.base_url, dg.model_name or cfg.target.model, api_key, timeout=dg.request_timeout,
-                        max_retries=dg.max_retries, backoff_base=dg.backoff_base, backoff_max=dg.backoff_max,
-                        params=params, seed=cfg.seed)
+    return ChatClient(dg.base_url, dg.model_name or cfg.target.model, api_key, timeout=dg.request_timeout,
+                      max_retries=dg.max_retries, backoff_base=dg.backoff_base, backoff_max=dg.backoff_max,
+                      params=params, seed=cfg.seed)
+
+
+def openai_user_turns(cfg: RunConfig, header: str, index: int) -> list[str | None]:
+    """Batch `index` of data_gen.self_prompts from a server: `concurrency` raw-text completions of the user
+    header, each with its own seed; the text of each the server ended itself ("stop"), else None."""
+    dg = cfg.data_gen
+
+    async def batch() -> list[Reply | None]:
+        client = chat_client(cfg)
+
+        async def one(row: int) -> Reply | None:
+            try:
+                return await client.complete_text(header, (cfg.seed * 1_000_003 + index) * dg.concurrency + row,
+                                                  max_tokens=MAX_TURN_TOKENS, temperature=dg.self_prompt_temperature)
+            except RequestRejected:
+                return None
+        try:
+            return await asyncio.gather(*(one(row) for row in range(dg.concurrency)))
+        finally:
+            await client.aclose()
+    try:
+        replies = asyncio.run(batch())
+    except RetriesExhausted as e:
+        raise UserError(f"data_gen.self_prompts: the server kept failing ({e}); the batches sampled so far are kept "
+                        "in self_prompts.jsonl, so rerunning the same command continues") from None
+    return [r.content if r is not None and r.finish_reason == "stop" else None for r in replies]
+
+
+def target_written_prompts(cfg: RunConfig, tok, out: Path, backend: HFBackend | None):
+    """data_gen.self_prompts user turns (data_gen/self_prompts.py), sampled by the in-process target (backend) or
+    by the server (openai), batch after batch, kept in out/self_prompts.jsonl."""
+    dg = cfg.data_gen
+    header = user_header(tok, dg.chat_template_kwargs)
+    ids, rows = tok(header, add_special_tokens=False)["input_ids"], dg.batch_size if backend else dg.concurrency
+
+    def sample(i: int) -> list[str | None]:
+        if backend:
+            return backend.user_turns(ids, rows, MAX_TURN_TOKENS, dg.self_prompt_temperature, cfg.seed * 1_000_003 + i)
+        return openai_user_turns(cfg, header, i)
+    return self_prompts(out / "self_prompts.jsonl", dg.self_prompts, sample, rows, set(tok.get_added_vocab()))
+
+
+async def run_openai(todo: list[Regeneration], tok, cfg: RunConfig, sink: PartSink, bar) -> Counter:
+    """A pool of `concurrency` workers, each driving one conversation at a time through all its turns."""
+    dg = cfg.data_gen
+    client = chat_client(cfg)
+    log.info("openai backend: %s, model %r, concurrency %d, API key %s", dg.base_url, client.model, dg.concurrency,
+             f"from ${dg.api_key_env}" if "Authorization" in client.client.headers else "none")
     failed: Counter[str] = Counter()
     queue = iter(todo)
     has_reasoning = backend_template_reasoning(tok, cfg)
@@ -267,10 +312,7 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
     if n := remove_partial_writes(out):
         log.info("removed %d part files cut short by a kill (their conversations are redone)", n)
     if dg.self_prompts:
-        header = user_header_ids(tok, dg.chat_template_kwargs)
-        own = self_prompts(out / "self_prompts.jsonl", dg.self_prompts, lambda i: backend.user_turns(
-            header, dg.batch_size, MAX_TURN_TOKENS, dg.self_prompt_temperature, cfg.seed * 1_000_003 + i),
-            dg.batch_size, set(tok.get_added_vocab()))
+        own = target_written_prompts(cfg, tok, out, backend if dg.backend == "hf" else None)
         convs = regenerate(chosen + fitting_prompts(own, tok, dg.max_prompt_tokens, dg.self_prompts, skipped,
                                                     dg.max_turns))
     done = done_ids(out)

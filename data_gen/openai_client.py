@@ -1,4 +1,5 @@
-"""Async client for any OpenAI-compatible `/v1/chat/completions` (SGLang, vLLM, llama.cpp, OpenRouter).
+"""Async client for any OpenAI-compatible `/v1/chat/completions` (SGLang, vLLM, llama.cpp, OpenRouter), and its
+raw-text `/v1/completions` (data_gen.self_prompts: the template's user header continued).
 
 Why hand-rolled on httpx: runs of 10^4-10^6 prompts last hours, so every transient failure must be
 retried the same way whatever the server: 408/409/429/5xx, timeouts, dropped connections and
@@ -84,6 +85,19 @@ def parse_completion(body: bytes) -> Reply:
     return Reply(content or "", reasoning, str(finish), tokens)
 
 
+def parse_text_completion(body: bytes) -> Reply:
+    try:
+        data = json.loads(body)
+        choice = data["choices"][0]
+        text, finish = choice["text"], choice.get("finish_reason")
+        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        raise BadResponse(f"not a text completion: {type(e).__name__}: {e}") from None
+    if not isinstance(text, str) or not finish:
+        raise BadResponse("text completion with non-string text or no finish_reason")
+    return Reply(text, "", str(finish), tokens)
+
+
 class ChatClient:
     """One shared connection pool; `complete` is safe to call from many tasks at once."""
 
@@ -91,6 +105,7 @@ class ChatClient:
                  backoff_base: float, backoff_max: float, params: dict, seed: int = 0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = base_url.rstrip("/") + "/chat/completions"
+        self.text_url = base_url.rstrip("/") + "/completions"
         self.model, self.params, self.max_retries = model, params, max_retries
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self.client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout),
@@ -103,16 +118,24 @@ class ChatClient:
 
     async def complete(self, messages: list[dict], seed: int | None = None) -> Reply:
         body = {"model": self.model, "messages": messages, **self.params}
-        if seed is not None:
-            body["seed"] = seed
+        return await self._post(self.url, body if seed is None else {**body, "seed": seed}, parse_completion)
+
+    async def complete_text(self, prompt: str, seed: int, **params) -> Reply:
+        """The raw text `prompt` continued (special tokens in it parsed by the server), `params` over the
+        client's own."""
+        own = {k: v for k, v in self.params.items() if k != "chat_template_kwargs"}  # a chat request's only
+        body = {"model": self.model, "prompt": prompt, **own, **params, "seed": seed}
+        return await self._post(self.text_url, body, parse_text_completion)
+
+    async def _post(self, url: str, body: dict, parse) -> Reply:
         for attempt in range(self.max_retries + 1):
             retry_after, kind = None, None
             try:
-                resp = await self.client.post(self.url, json=body)
+                resp = await self.client.post(url, json=body)
                 if resp.status_code == 200:
-                    return parse_completion(resp.content)
+                    return parse(resp.content)
                 if resp.status_code in (401, 403, 404):
-                    raise ServerMisconfigured(f"{self.url} answered {resp.status_code} ({resp.text[:120]!r}): "
+                    raise ServerMisconfigured(f"{url} answered {resp.status_code} ({resp.text[:120]!r}): "
                                               "check data_gen.base_url, data_gen.model_name and the API key env var")
                 if resp.status_code in REJECT_STATUS:
                     raise RequestRejected(f"HTTP {resp.status_code}: {resp.text[:200]}")

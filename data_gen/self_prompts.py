@@ -6,7 +6,8 @@ header is a prompt for a user turn: sampled at T~1, the target writes requests o
 answers like any other prompt (Magpie, Xu et al. 2024). The answers stay the target's own, at data_gen's
 temperature; only the questions are new.
 
-How: `data_gen.self_prompts=N` adds N of them (ids self-<batch>-<row>) after data_gen.prompts' conversations.
+How: `data_gen.self_prompts=N` (hf backend: sampled in-process; openai: the header as a raw-text
+`/v1/completions` prompt, which SGLang, vLLM and llama-server serve) adds N of them (ids self-<batch>-<row>) after data_gen.prompts' conversations.
 They are kept in <run>/conversations/self_prompts.jsonl, rewritten atomically after each sampled batch, so a
 killed run keeps the batches it finished and a rerun continues from the next; each batch draws from its own
 seed, so what a rerun writes does not depend on where the kill came.
@@ -30,14 +31,14 @@ MIN_WORDS = 3
 MAX_BATCH_FACTOR = 4  # give up after 4x the batches that n prompts would need if every row were usable
 
 
-def user_header_ids(tok, template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of the chat template up to where a user turn's text starts (its default system turn included)."""
+def user_header(tok, template_kwargs: dict | None = None) -> str:
+    """The chat template's text up to where a user turn's text starts (its default system turn included)."""
     text = tok.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
                                    add_generation_prompt=False, **(template_kwargs or {}))
     if text.count(SENTINEL) != 1:
         raise UserError("data_gen.self_prompts: the target's chat template does not render a user turn's text "
                         "verbatim, so there is no user header to sample from; use data_gen.self_prompts=0")
-    return tok(text[: text.index(SENTINEL)], add_special_tokens=False)["input_ids"]
+    return text[: text.index(SENTINEL)]
 
 
 def usable_turn(text: str | None, special_tokens: set[str]) -> str | None:

@@ -46,3 +46,20 @@ def test_regenerates_multi_turn_sharegpt_conversations_on_policy(server_url, tmp
     assert multi_turn >= 4  # ShareGPT has single-turn conversations too
     summary = json.loads((tmp_path / "run/conversations/summary.json").read_text())
     assert summary["generated_now"] == 8 and summary["errors_now"] == {}
+
+
+def test_self_written_prompts_come_from_the_server_and_are_answered_there(server_url, tmp_path):
+    """data_gen.self_prompts through the openai backend: the user header as a raw-text /v1/completions prompt
+    (llama-server parses its special tokens), batches of `concurrency` seeded requests, then answered as chats."""
+    cfg = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", [
+        f"run_dir={tmp_path / 'run'}", "data_gen.backend=openai", f"data_gen.base_url={server_url}",
+        "data_gen.num_samples=2", "data_gen.self_prompts=4", "data_gen.max_new_tokens=16", "data_gen.concurrency=4",
+        "data_gen.part_samples=8"])
+    main(cfg)
+    own = [json.loads(line) for line in (tmp_path / "run/conversations/self_prompts.jsonl").read_text().splitlines()]
+    assert len(own) >= 4 and all("<|im_" not in r["prompt"] and r["id"].startswith("self-") for r in own)
+    rows = {r["conversation_id"]: r for r in read_conversations(tmp_path / "run/conversations")}
+    asked = {i: r["messages"][0]["content"] for i, r in rows.items() if i.startswith("self-")}
+    assert asked == {r["id"]: r["prompt"] for r in own[:4]}
+    assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in rows.values())
+    assert len(rows) == 6

@@ -11,7 +11,7 @@ from core.config import load_config
 from core.errors import UserError
 from core.target import load_tokenizer
 from data_gen import generate
-from data_gen.self_prompts import MAX_BATCH_FACTOR, self_prompts, user_header_ids
+from data_gen.self_prompts import MAX_BATCH_FACTOR, self_prompts, user_header
 from tests.conftest import ROOT
 
 SPECIAL = {"<|im_start|>", "<|im_end|>"}
@@ -19,8 +19,9 @@ SPECIAL = {"<|im_start|>", "<|im_end|>"}
 
 def test_the_user_header_is_what_every_templated_user_turn_starts_with(smol_cfg):
     tok = load_tokenizer(smol_cfg)
-    header = user_header_ids(tok)
-    assert tok.decode(header).endswith("<|im_end|>\n<|im_start|>user\n"), tok.decode(header)
+    text = user_header(tok)
+    assert text.endswith("<|im_end|>\n<|im_start|>user\n"), text
+    header = tok(text, add_special_tokens=False)["input_ids"]
     for text in ("What is a haiku?", "write me a poem\n  about cats"):  # stripped, as usable_turn keeps them
         ids = prompt_ids(tok, [{"role": "user", "content": text}])
         assert ids[:len(header)] == header
@@ -78,10 +79,9 @@ def test_a_target_that_never_ends_a_user_turn_is_an_error_not_a_loop(tmp_path):
     assert len(calls) == MAX_BATCH_FACTOR * 2
 
 
-def test_self_prompts_need_the_hf_backend(smol_cfg):
-    smol_cfg.data_gen.self_prompts, smol_cfg.data_gen.backend = 4, "openai"
-    smol_cfg.data_gen.base_url = "http://127.0.0.1:9/v1"
-    with pytest.raises(UserError, match="self_prompts = 4 needs data_gen.backend = hf"):
+def test_the_dataset_backend_has_no_answers_to_self_written_prompts(smol_cfg):
+    smol_cfg.data_gen.self_prompts, smol_cfg.data_gen.backend = 4, "dataset"
+    with pytest.raises(UserError, match="self_prompts = 4 with data_gen.backend = dataset"):
         generate.check_options(smol_cfg)
 
 
