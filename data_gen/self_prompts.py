@@ -7,8 +7,8 @@ answers like any other prompt (Magpie, Xu et al. 2024). The answers stay the tar
 temperature; only the questions are new.
 
 How: `data_gen.self_prompts=N` (hf backend: sampled in-process; openai: the header as a raw-text
-`/v1/completions` prompt, which SGLang, vLLM and llama-server serve) adds N of them (ids self-<batch>-<row>) after data_gen.prompts' conversations.
-They are kept in <run>/conversations/self_prompts.jsonl, rewritten atomically after each sampled batch, so a
+`/v1/completions` prompt, which SGLang, vLLM and llama-server serve) adds N of them (ids self-<batch>-<row>)
+after data_gen.prompts' conversations. They are kept in <run>/conversations/self_prompts.jsonl, rewritten atomically after each sampled batch, so a
 killed run keeps the batches it finished and a rerun continues from the next; each batch draws from its own
 seed, so what a rerun writes does not depend on where the kill came.
 """
@@ -57,7 +57,7 @@ def self_prompts(path: Path, n: int, sample_batch: Callable[[int], list[str | No
     """The first n usable, distinct user turns: those already in `path`, then batch after batch of
     `sample_batch(index)` (batch_size texts, None for a turn cut off by the length cap) until there are n."""
     rows = read_jsonl(path)
-    seen = {" ".join(r["prompt"].casefold().split()) for r in rows}
+    seen = {_folded(r["prompt"]) for r in rows}
     index = 1 + max((r["batch"] for r in rows), default=-1)
     limit = index + MAX_BATCH_FACTOR * -(-n // batch_size)
     while len(rows) < n:
@@ -69,7 +69,7 @@ def self_prompts(path: Path, n: int, sample_batch: Callable[[int], list[str | No
         kept = 0
         for row, text in enumerate(sample_batch(index)):
             text = usable_turn(text, special_tokens)
-            key = text and " ".join(text.casefold().split())
+            key = text and _folded(text)
             if key and key not in seen:
                 seen.add(key)
                 rows.append({"id": f"self-{index:05d}-{row:03d}", "batch": index, "prompt": text})
@@ -79,3 +79,7 @@ def self_prompts(path: Path, n: int, sample_batch: Callable[[int], list[str | No
         index += 1
     return [Prompt(r["id"], [{"role": "user", "content": r["prompt"]}]) for r in rows[:n]]
 
+
+def _folded(text: str) -> str:
+    """What makes two turns the same prompt: case and runs of whitespace do not count."""
+    return " ".join(text.casefold().split())
