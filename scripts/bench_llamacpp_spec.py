@@ -3,7 +3,8 @@ engine's τ on the same prompt token ids (greedy, batch 1, concurrency 1).
 
     python scripts/bench_llamacpp_spec.py --drafter runs/smollm2-135m-instruct/drafter \
         [--prompts heldout|FILE.jsonl] [--k 2,3,5,7] [--outtype f32,f16,q8_0] [--max-prompts 16] \
-        [--target-outtype q4_1|f16|bf16|f32] [--p-min 0,0.5,0.8] [--server-args "--poll 100"] [--no-ours]
+        [--target-outtype q4_1|f16|bf16|f32] [--p-min 0,0.5,0.8] [--server-args "--poll 100"] \
+        [--spec-args ";--poll 0"] [--no-ours]
 
 The target is the embedded SmolLM2 GGUF (Q4_1) that our fp32 target is dequantized from, or
 (--target-outtype f16 ...) that dequantized target converted back by llama.cpp's own
@@ -18,6 +19,9 @@ through the K values splits it into a fixed part and a cost per drafted token (d
 share of the verification). --p-min > 0 lets llama.cpp stop drafting at an unsure draft (no draft: a
 plain decode step): fewer wasted drafts and verify rows, so its speedup can beat the fixed-K one; its τ
 then counts only the cycles that drafted, so only p_min 0 is compared with ours and fitted.
+--server-args go to every server; --spec-args are ';'-separated sets of flags for the speculative servers only,
+each set its own servers (e.g. threading flags that would also change the base server's speed, which stays
+at llama-server's defaults to compare against).
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ def main() -> int:
     ap.add_argument("--p-min", default="0", help="comma list of llama.cpp's --spec-draft-p-min values")
     ap.add_argument("--target-gguf", default="", help="a target GGUF already converted (instead of --target-outtype)")
     ap.add_argument("--server-args", default="", help="more llama-server flags for both servers, e.g. '--poll 100'")
+    ap.add_argument("--spec-args", default="", help="';'-separated flag sets for the speculative servers only, "
+                    "each set its own servers, e.g. ';--poll 0' (defaults, then --poll 0)")
     ap.add_argument("--rounds", type=int, default=1, help="times each server answers every prompt")
     ap.add_argument("--no-ours", action="store_true", help="skip our engine's τ (slow on a CPU)")
     args = ap.parse_args()
@@ -108,16 +114,18 @@ def main() -> int:
         lengths = [a for _, ids in items for a in speculative_generate(model, drafter, ids, n, stop, k).accept_lengths]
         ours[k] = sum(lengths) / max(1, len(lengths))
     with tmp, contextlib.ExitStack() as stack:
-        specs = []  # (label, gguf, k, p_min): one speculative server each, all up beside the base server
+        specs = []  # (label, gguf, k, p_min, drafter, flags): one speculative server each, all up beside the base
         for d in drafters:
             for outtype in args.outtype.split(","):
                 gguf = convert_drafter(tree, Path(d), resolve_target(cfg), Path(tmp.name) / f"draft{len(specs)}.gguf",
                                        outtype)
-                label = f"{Path(d).name} {outtype} ({gguf.stat().st_size / 1e6:.1f} MB)"
-                specs += [(label, gguf, k, float(p), d) for p in args.p_min.split(",") for k in ks]
+                for flags in args.spec_args.split(";"):
+                    label = f"{Path(d).name} {outtype} ({gguf.stat().st_size / 1e6:.1f} MB){' ' + flags if flags else ''}"
+                    specs += [(label, gguf, k, float(p), d, tuple(flags.split())) for p in args.p_min.split(",")
+                              for k in ks]
         urls = [stack.enter_context(LlamaServer(binary, target_gguf, extra_args=extra))]
-        urls += [stack.enter_context(LlamaServer(binary, target_gguf, g, k=k, p_min=p, extra_args=extra))
-                 for _, g, k, p, _ in specs]
+        urls += [stack.enter_context(LlamaServer(binary, target_gguf, g, k=k, p_min=p, extra_args=extra + flags))
+                 for _, g, k, p, _, flags in specs]
         before = [spec_counters(u) for u in urls[1:]]
         res = run_interleaved(urls, items, n, args.rounds)
         after = [spec_counters(u) for u in urls[1:]]
@@ -128,7 +136,7 @@ def main() -> int:
           "| cycle in base tokens = break-even τ | outputs equal base |\n|---|---|---|---|---|---|---|---|---|---|",
           flush=True)
     fits: dict[str, tuple[list, list]] = {}
-    for (label, _, k, p_min, d), r, b, a in zip(specs, res[1:], before, after, strict=True):
+    for (label, _, k, p_min, d, _), r, b, a in zip(specs, res[1:], before, after, strict=True):
         # eval's own window; a p_min that stopped every draft made none: τ 1, nothing accepted
         w = counter_window(b, a) if a["drafts"] > b["drafts"] else {"acceptance_length": 1.0,
                                                                      "per_position_acceptance": []}
