@@ -174,6 +174,9 @@ class EvalConfig:
     max_prompts: int = _f(16, "prompts evaluated", ge=1)
     max_new_tokens: int = _f(96, "tokens generated per prompt", ge=1)
     draft_steps: int = _f(5, "chain length K drafted per verification", ge=1)
+    draft_p_min: float = _f(0.0, "stop a chain at a draft whose probability (softmax over the drafter's 10 likeliest "
+                                 "tokens) is below this, as llama.cpp's --spec-draft-p-min; 0 = always K; hf and "
+                                 "llamacpp engines, greedy chain; τ then counts the verifications that drafted", ge=0)
     draft_tree: list[int] = _f([], "[depth, topk, total]: an EAGLE-2 tree of `total` drafted tokens per verification "
                                    "instead of a chain (hf engine, T=0); [] = chain", ge=1)
     temperature: float = _f(0.0, "0 = greedy (outputs must equal the baseline's); > 0 = speculative sampling, "
@@ -192,7 +195,10 @@ class EvalConfig:
                                  "unquantized target, whose tokens are bound by reading weights: docs/PERFORMANCE.md)")
 
     def __post_init__(self):
-        """Outtypes llama.cpp's converter takes, checked here: a typo would otherwise fail after the whole HF eval."""
+        """Checked here, not after the whole HF eval: p_min's setting, and outtypes llama.cpp's converter takes."""
+        if self.draft_p_min > 0 and (self.draft_tree or self.temperature > 0 or self.engine == "server"):
+            raise UserError(f"eval.draft_p_min = {self.draft_p_min}: it stops a greedy chain (eval.temperature 0, no "
+                            "eval.draft_tree) in the hf and llamacpp engines; for engine=server set the server's own flag")
         for key, allowed in (("gguf_outtype", GGUF_OUTTYPES), ("target_outtype", ("", *GGUF_OUTTYPES))):
             if getattr(self, key) not in allowed:
                 raise UserError(f"eval.{key} = {getattr(self, key)!r}: must be one of {' | '.join(map(repr, allowed))} "

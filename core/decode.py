@@ -32,6 +32,7 @@ class Generation:
     finish_reason: str  # "stop" (end-of-turn generated, included in tokens) | "length"
     # speculative decoding: tokens each verification added to `tokens`, so 1 + sum == len(tokens)
     accept_lengths: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)  # drafts each verification checked (0: a plain step)
 
 
 def new_cache(model, max_len: int) -> StaticCache:
@@ -179,14 +180,25 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: lis
     return rows
 
 
+def draft_confidence(logits: torch.Tensor) -> float:
+    """The probability llama.cpp's --spec-draft-p-min compares: its draft sampler keeps the 10 likeliest
+    tokens and takes their softmax (top-k 10, then dist), so this is the top one's share of those 10."""
+    top = logits.float().topk(min(10, logits.shape[-1])).values
+    return float(torch.softmax(top, -1)[0])
+
+
 def draft_chain(drafter: Eagle3Drafter, logits: torch.Tensor, hidden: torch.Tensor, m: int, steps: int,
-                cache: DraftCache, temperature: float = 0.0, generator: torch.Generator | None = None):
-    """K drafts from the drafter's output at position m-1 (logits [1,Vd], hidden [1,1,H]): draft j is
-    fed back at position m+j to propose draft j+1 (training's step j+1, train/ttt_loss.py). Greedy at
-    T=0; at T>0 each draft is sampled from q = softmax(logits/T), returned per draft for the
-    acceptance test -> (drafts in target ids, [q_j over the draft vocab] or None)."""
+                cache: DraftCache, temperature: float = 0.0, generator: torch.Generator | None = None,
+                p_min: float = 0.0):
+    """Up to K drafts from the drafter's output at position m-1 (logits [1,Vd], hidden [1,1,H]): draft j
+    is fed back at position m+j to propose draft j+1 (training's step j+1, train/ttt_loss.py). Greedy at
+    T=0, where p_min > 0 ends the chain at the first draft whose `draft_confidence` is below it (no
+    verify row spent on a likely reject); at T>0 each draft is sampled from q = softmax(logits/T),
+    returned per draft for the acceptance test -> (drafts in target ids, [q_j over the draft vocab] or None)."""
     drafts, qs = [], []
     for j in range(steps):
+        if p_min > 0 and draft_confidence(logits[0]) < p_min:
+            break
         if temperature > 0:
             qs.append(torch.softmax(logits[0].float() / temperature, -1))
             pick = torch.multinomial(qs[-1], 1, generator=generator)[0]
@@ -207,6 +219,8 @@ def accept_sampled(drafts: list[int], qs: list[torch.Tensor], logits: torch.Tens
     K survive, sample the bonus from p_K. Every emitted token is then distributed exactly as the
     target samples it at temperature T. -> (drafts accepted, the next token)."""
     p = torch.softmax(logits.float() / temperature, -1)  # [K+1, V]
+    if not drafts:
+        return 0, int(torch.multinomial(p[0], 1, generator=generator)[0])
     in_target = drafter.draft_to_target(torch.arange(qs[0].numel(), device=logits.device))
     for j, x in enumerate(drafts):
         q = torch.zeros_like(p[j])
@@ -273,15 +287,20 @@ def acceptance_length(accept_lengths: list[int]) -> float:
 @torch.inference_mode()
 def speculative_generate(model, drafter: Eagle3Drafter, prompt: list[int], max_new_tokens: int,
                          stop_ids: list[int], draft_steps: int, tree: TreeSpec | None = None,
-                         temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:
+                         temperature: float = 0.0, generator: torch.Generator | None = None,
+                         p_min: float = 0.0) -> Generation:
     """Speculative decoding (batch 1): draft a chain of K tokens (or an EAGLE-2 tree), verify them in
     one target forward, keep what the target agrees with plus the target's own next token. At T=0 the
-    output equals greedy decoding; at T>0 (chain only) it is distributed as the target's sampling. A
-    round that accepts a stop id ends generation: nothing after it is emitted or counted."""
+    output equals greedy decoding; at T>0 (chain only) it is distributed as the target's sampling.
+    p_min > 0 (greedy chain) stops drafting at an unsure draft, as llama.cpp does; a round with no
+    draft is a plain target step. A round that accepts a stop id ends generation: nothing after it is
+    emitted or counted."""
     if max_new_tokens < 1 or draft_steps < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens}, draft_steps = {draft_steps}; both must be >= 1")
     if tree is not None and temperature > 0:
         raise ValueError("tree drafting is greedy only (T=0); sample with a chain (no eval.draft_tree)")
+    if p_min > 0 and (tree is not None or temperature > 0):
+        raise ValueError("p_min stops a greedy chain (T=0, no eval.draft_tree), as llama.cpp's --spec-draft-p-min")
     device, aux_layers = model.device, drafter.config.aux_layers
     width = tree.total if tree else draft_steps
     max_len = len(prompt) + max_new_tokens + width + 1
@@ -290,30 +309,33 @@ def speculative_generate(model, drafter: Eagle3Drafter, prompt: list[int], max_n
     logits, aux = prefill(model, cache, torch.tensor([prompt], device=device), aux_layers=aux_layers)
     out = [int(_sample(logits, temperature, generator)[0])]
     m = len(prompt)  # position of out[-1], the newest token, not yet run through the target
-    accept_lengths = []
+    accept_lengths, drafted = [], []
     # The drafter reads (aux_t, token_{t+1}) at positions 0..m-1.
     d_logits, h = drafter(aux, torch.tensor([prompt[1:] + out], device=device), torch.arange(m, device=device)[None],
                           dcache)
     while out[-1] not in stop_ids and len(out) < max_new_tokens:
         if tree is None:
-            drafts, qs = draft_chain(drafter, d_logits[:, -1], h[:, -1:], m, draft_steps, dcache, temperature,
-                                     generator)
+            # no more drafts than the budget can emit beside the target's own token (llama.cpp's cap too)
+            steps = min(draft_steps, max_new_tokens - len(out) - 1)
+            drafts, qs = draft_chain(drafter, d_logits[:, -1], h[:, -1:], m, steps, dcache, temperature,
+                                     generator, p_min)
             logits, aux = verify(model, cache, [out[-1], *drafts], m, aux_layers)
             if temperature > 0:
                 a, nxt = accept_sampled(drafts, qs, logits, drafter, temperature, generator)
             else:
                 verdict = logits.argmax(-1).tolist()
-                a = next((j for j in range(draft_steps) if drafts[j] != verdict[j]), draft_steps)
+                a = next((j for j in range(len(drafts)) if drafts[j] != verdict[j]), len(drafts))
                 nxt = verdict[a]
-            accepted, rows = drafts[:a], list(range(a + 1))
+            accepted, rows, n_drafts = drafts[:a], list(range(a + 1)), len(drafts)
         else:
             grown = draft_tree(drafter, d_logits[:, -1], h[:, -1:], m, tree, dcache)
             logits, aux = verify_tree(model, cache, out[-1], grown, m, aux_layers)
             path, nxt = accept_tree(grown, logits.argmax(-1).tolist())
             _compact(cache, [m + 1 + i for i in path], m + 1)
-            accepted, rows = [grown.tokens[i] for i in path], [0] + [1 + i for i in path]
+            accepted, rows, n_drafts = [grown.tokens[i] for i in path], [0] + [1 + i for i in path], len(grown.tokens)
         new = _emitted(accepted + [nxt], stop_ids, max_new_tokens - len(out))
         accept_lengths.append(len(new))
+        drafted.append(n_drafts)
         out += new
         if out[-1] in stop_ids or len(out) >= max_new_tokens:
             break
@@ -321,4 +343,4 @@ def speculative_generate(model, drafter: Eagle3Drafter, prompt: list[int], max_n
         d_logits, h = drafter(aux[:, rows], torch.tensor([new], device=device),
                               torch.arange(m, m + len(new), device=device)[None], dcache)
         m += len(new)
-    return Generation(out, "stop" if out[-1] in stop_ids else "length", accept_lengths)
+    return Generation(out, "stop" if out[-1] in stop_ids else "length", accept_lengths, drafted)

@@ -172,9 +172,10 @@ def target_gguf_choice(target_gguf: str, target_name: str, target_outtype: str, 
 
 @contextlib.contextmanager
 def served_by_llamacpp(cache: Path, target_dir: Path, draft_dir: Path, work_dir: Path, k: int, parallel: int,
-                       outtype: str = "f32", target_gguf: str = "", target_name: str = "", target_outtype: str = ""):
+                       outtype: str = "f32", target_gguf: str = "", target_name: str = "", target_outtype: str = "",
+                       p_min: float = 0.0):
     """Convert the drafter (and the target, where `target_gguf_choice` says so) with llama.cpp's converter
-    into work_dir, start a base and a speculative llama-server with `parallel` slots, yield their URLs."""
+    into work_dir, start a base and a speculative llama-server (K, p_min) with `parallel` slots, yield their URLs."""
     binary = server_binary(cache)
     tree = llamacpp_tree(cache)
     work_dir = Path(work_dir)
@@ -182,8 +183,8 @@ def served_by_llamacpp(cache: Path, target_dir: Path, draft_dir: Path, work_dir:
     target, convert_at = target_gguf_choice(target_gguf, target_name, target_outtype, outtype)
     if target is None:
         target = convert_to_gguf(tree, target_dir, work_dir / f"target-{convert_at}.gguf", convert_at)
-    log.info("llama.cpp: target %s, drafter %s (aux layers %s), K=%d, %d slots", target, draft_gguf,
-             gguf_target_layers(draft_gguf), k, parallel)
+    log.info("llama.cpp: target %s, drafter %s (aux layers %s), K=%d, p_min %g, %d slots", target, draft_gguf,
+             gguf_target_layers(draft_gguf), k, p_min, parallel)
     with (LlamaServer(binary, target, parallel=parallel) as base,
-          LlamaServer(binary, target, draft_gguf, k=k, parallel=parallel) as spec):
+          LlamaServer(binary, target, draft_gguf, k=k, parallel=parallel, p_min=p_min) as spec):
         yield base, spec

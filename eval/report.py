@@ -19,11 +19,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def summarize(results: list[dict], draft_steps: int, tree: list[int] | None = None, temperature: float = 0.0) -> dict:
-    """τ = mean tokens per verification; draft i (tree: depth i) counts as accepted in a round that
-    added > i+1 tokens. At T>0 outputs are samples, so they are not compared with the baseline (None)."""
+def summarize(results: list[dict], draft_steps: int, tree: list[int] | None = None, temperature: float = 0.0,
+              p_min: float = 0.0) -> dict:
+    """τ = mean tokens per verification that drafted (every one, unless p_min stopped some chains before
+    their first draft: those plain steps are left out, as llama.cpp counts); draft i (tree: depth i)
+    counts as accepted in a round that added > i+1 tokens. At T>0 outputs are samples, so they are not
+    compared with the baseline (None)."""
     depth = tree[0] if tree else draft_steps
-    lengths = [a for r in results for a in r["accept_lengths"]]
+    rounds = [(a, d) for r in results for a, d in zip(r["accept_lengths"], r["drafted"], strict=True)]
+    lengths = [a for a, d in rounds if d > 0]
     steps = max(1, len(lengths))
     tokens = sum(r["tokens"] for r in results)
     t_base = sum(r["time_baseline_s"] for r in results)
@@ -39,12 +43,13 @@ def summarize(results: list[dict], draft_steps: int, tree: list[int] | None = No
         "mismatches_agree_for": sorted(r["agree"] for r in results if r["match"] is False and r.get("agree") is not None),
         "tokens_per_s_baseline": tps_base, "tokens_per_s_spec": tps_spec, "speedup": tps_spec / tps_base,
         "num_prompts": len(results), "verify_steps": len(lengths), "generated_tokens": tokens,
-        "draft_steps": draft_steps, "draft_tree": tree or None, "drafted_per_verification": tree[2] if tree else draft_steps,
-        "temperature": temperature,
+        "draft_steps": draft_steps, "draft_tree": tree or None, "draft_p_min": p_min,
+        "drafted_per_verification": sum(d for _, d in rounds) / steps,
+        "drafting_share": len(lengths) / max(1, len(rounds)), "temperature": temperature,
     }
 
 
-def server_summary(server: dict, draft_steps: int) -> dict:
+def server_summary(server: dict, draft_steps: int, p_min: float = 0.0) -> dict:
     """The report contract's fields from a serving engine, taken at its lowest concurrency level
     (batch-1 figures, comparable with the HF engine's); every level stays in report["server"]."""
     first = min(server["levels"], key=lambda lv: lv["concurrency"])
@@ -54,7 +59,9 @@ def server_summary(server: dict, draft_steps: int) -> dict:
         "outputs_match_baseline": all(lv["outputs_equal"] == server["num_prompts"] for lv in server["levels"]),
         "tokens_per_s_baseline": first["base"]["tokens_per_s"], "tokens_per_s_spec": first["spec"]["tokens_per_s"],
         "speedup": first["speedup"], "num_prompts": server["num_prompts"], "draft_steps": draft_steps,
-        "draft_tree": None, "drafted_per_verification": draft_steps, "temperature": 0.0,
+        "draft_tree": None, "draft_p_min": p_min, "temperature": 0.0,
+        "drafted_per_verification": (first["draft_tokens"] / first["verifications"] if first.get("draft_tokens")
+                                     else draft_steps),
     }
 
 
@@ -97,6 +104,9 @@ def _mode(r: dict) -> str:
     tree = r.get("draft_tree")
     shape = (f"an EAGLE-2 tree (depth {tree[0]}, top-{tree[1]}, {tree[2]} drafted tokens) per verification" if tree
              else f"chain of {r['draft_steps']} drafts per verification")
+    if r.get("draft_p_min"):
+        shape += (f", stopped at a draft below p {r['draft_p_min']:g} (τ counts the verifications that drafted"
+                  + (f": {r['drafting_share']:.0%} of them)" if "drafting_share" in r else ")"))
     sampling = "greedy (T=0)" if not r["temperature"] else f"speculative sampling at T={r['temperature']}"
     return f"{sampling}, {shape}"
 

@@ -99,7 +99,7 @@ def hf_eval(cfg: RunConfig, items: list[tuple[str, list[int]]], draft_dir: Path)
     g = torch.Generator(model.device).manual_seed(cfg.seed)
 
     def spec(ids, budget):
-        return speculative_generate(model, drafter, ids, budget, stop, k, tree, t, g)
+        return speculative_generate(model, drafter, ids, budget, stop, k, tree, t, g, ev.draft_p_min)
 
     # warm-up (allocator, kernels) kept out of the timings
     generate(model, [items[0][1]], 4, stop)
@@ -111,10 +111,10 @@ def hf_eval(cfg: RunConfig, items: list[tuple[str, list[int]]], draft_dir: Path)
         results.append({"id": pid, "prompt_tokens": len(ids), "tokens": len(out.tokens),
                         "match": base.tokens == out.tokens if t == 0 else None,
                         "agree": common_prefix(base.tokens, out.tokens) if t == 0 else None,
-                        "accept_lengths": out.accept_lengths,
+                        "accept_lengths": out.accept_lengths, "drafted": out.drafted,
                         "text": tok.decode(out.tokens, skip_special_tokens=True),
                         "time_baseline_s": t_base, "time_spec_s": t_spec, "baseline_tokens": len(base.tokens)})
-    return {**summarize(results, k, ev.draft_tree, t), "device": str(model.device)}, results
+    return {**summarize(results, k, ev.draft_tree, t, ev.draft_p_min), "device": str(model.device)}, results
 
 
 def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, out: str | None = None,
@@ -171,9 +171,9 @@ def evaluate(cfg: RunConfig, prompts: str | None, draft_dir: Path, out_dir: Path
             gguf_dir = out_dir / "llamacpp"
             with served_by_llamacpp(cache_root(cfg), resolve_target(cfg), draft_dir, gguf_dir, k,
                                     max(ev.concurrency), ev.gguf_outtype, ev.target_gguf,
-                                    cfg.target.model, ev.target_outtype) as (base_url, spec_url):
+                                    cfg.target.model, ev.target_outtype, ev.draft_p_min) as (base_url, spec_url):
                 server = compare_servers(base_url, spec_url, items, n, ev.concurrency, "llamacpp")
-            report.update({"hf_engine": {key: report[key] for key in hf}, **server_summary(server, k),
+            report.update({"hf_engine": {key: report[key] for key in hf}, **server_summary(server, k, ev.draft_p_min),
                            "device": "llama.cpp b11434 llama-server, CPU", "server": server})
     write_report(out_dir, report, results)
     write_manifest(out_dir, "eval", cfg, {"target": cfg.target.model}, {"prompts": len(items)},

@@ -17,8 +17,9 @@ Cost: a speculative cycle (K draft steps + one verification) takes τ / spec tok
 times that is the break-even τ at this K (the τ at which spec is as fast as base). A line fitted
 through the K values splits it into a fixed part and a cost per drafted token (draft step + its
 share of the verification). --p-min > 0 lets llama.cpp stop drafting at an unsure draft (no draft: a
-plain decode step): fewer wasted drafts and verify rows, so its speedup can beat the fixed-K one; its τ
-then counts only the cycles that drafted, so only p_min 0 is compared with ours and fitted.
+plain decode step): fewer wasted drafts and verify rows, so its speedup can beat the fixed-K one. Its τ
+then counts only the cycles that drafted; ours stops by the same rule (core.decode.draft_confidence) and
+counts the same way; only p_min 0 is fitted.
 --server-args go to every server; --spec-args are ';'-separated sets of flags for the speculative servers only,
 each set its own servers (e.g. threading flags that would also change the base server's speed, which stays
 at llama-server's defaults to compare against).
@@ -109,10 +110,12 @@ def main() -> int:
                                       convert_at)
     extra = tuple(args.server_args.split())
     ks = [int(k) for k in args.k.split(",")]
-    ours = {}
-    for k in [] if args.no_ours else ks:
-        lengths = [a for _, ids in items for a in speculative_generate(model, drafter, ids, n, stop, k).accept_lengths]
-        ours[k] = sum(lengths) / max(1, len(lengths))
+    p_mins = [float(p) for p in args.p_min.split(",")]
+    ours = {}  # (K, p_min) -> τ over the verifications that drafted, as llama.cpp counts
+    for k, p_min in [] if args.no_ours else [(k, p) for p in p_mins for k in ks]:
+        gens = [speculative_generate(model, drafter, ids, n, stop, k, p_min=p_min) for _, ids in items]
+        lengths = [a for g in gens for a, d in zip(g.accept_lengths, g.drafted, strict=True) if d > 0]
+        ours[k, p_min] = sum(lengths) / max(1, len(lengths))
     with tmp, contextlib.ExitStack() as stack:
         specs = []  # (label, gguf, k, p_min, drafter, flags): one speculative server each, all up beside the base
         for d in drafters:
@@ -121,8 +124,7 @@ def main() -> int:
                                        outtype)
                 for flags in args.spec_args.split(";"):
                     label = f"{Path(d).name} {outtype} ({gguf.stat().st_size / 1e6:.1f} MB){' ' + flags if flags else ''}"
-                    specs += [(label, gguf, k, float(p), d, tuple(flags.split())) for p in args.p_min.split(",")
-                              for k in ks]
+                    specs += [(label, gguf, k, p, d, tuple(flags.split())) for p in p_mins for k in ks]
         urls = [stack.enter_context(LlamaServer(binary, target_gguf, extra_args=extra))]
         urls += [stack.enter_context(LlamaServer(binary, target_gguf, g, k=k, p_min=p, extra_args=extra + flags))
                  for _, g, k, p, _, flags in specs]
@@ -146,7 +148,7 @@ def main() -> int:
         if p_min == 0:
             fits.setdefault(label, ([], []))[0].append(k)
             fits[label][1].append(cycle)
-        ours_tau = f"{ours[k]:.3f}" if k in ours and d == drafters[0] else "-"
+        ours_tau = f"{ours[k, p_min]:.3f}" if (k, p_min) in ours and d == drafters[0] else "-"
         print(f"| {label} | {p_min:g} | {k} | {tau:.3f} | {pos} | {ours_tau} | {r['tps']:.1f} | "
               f"{r['tps'] / base_tps:.2f}x | {cycle:.2f} | {same}/{len(items)} |", flush=True)
     for label, (xs, ys) in fits.items():

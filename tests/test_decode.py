@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from core.chat import prompt_ids
-from core.decode import bf16_copy, generate, speculative_generate
+from core.decode import bf16_copy, draft_confidence, generate, speculative_generate
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.target import end_of_turn_ids, load_target
 from eval.report import common_prefix, summarize, write_report
@@ -105,10 +105,52 @@ def test_scripted_partial_accepts_give_exact_lengths_and_per_position_acceptance
     scripted(d, greedy, plan, k, model.config.vocab_size)
     spec = speculative_generate(model, d, prompts[1], n_new, [], draft_steps=k)
     assert spec.tokens == greedy[:n_new] and spec.accept_lengths == [3, 1, 4, 2]
+    assert spec.drafted == [k] * (len(plan) - 1) + [1]  # the last round's budget: 2 tokens, so 1 draft
     r = summarize([{"id": "p", "tokens": len(spec.tokens), "accept_lengths": spec.accept_lengths, "match": True,
-                    "time_baseline_s": 1.0, "time_spec_s": 1.0, "baseline_tokens": n_new}], k)
+                    "drafted": spec.drafted, "time_baseline_s": 1.0, "time_spec_s": 1.0, "baseline_tokens": n_new}], k)
     assert r["per_position_acceptance"] == [3 / 4, 2 / 4, 1 / 4]  # draft i accepted in rounds with > i+1 tokens
     assert r["accept_length_histogram"] == [1, 1, 1, 1] and r["acceptance_length"] == 10 / 4
+
+
+def test_draft_confidence_is_llamacpps_top10_probability():
+    """llama.cpp's draft sampler is top-k 10 then a softmax over those 10: one logit of 2 beside 9 of 0 is
+    p = e²/(e²+9) = 0.45 there, whatever the long tail of the vocab holds (full softmax: 0.0007 here)."""
+    logits = torch.zeros(10_000)
+    logits[7] = 2.0
+    e2 = float(torch.tensor(2.0).exp())
+    assert draft_confidence(logits) == pytest.approx(e2 / (e2 + 9), rel=1e-6)
+    assert float(torch.softmax(logits, -1)[7]) < 0.001
+    logits[:20] = torch.arange(20.0)  # the 10 largest are 10..19: the top one's share of those
+    top = torch.arange(10.0, 20.0)
+    assert draft_confidence(logits) == pytest.approx(float(torch.softmax(top, -1)[-1]), rel=1e-6)
+
+
+def test_p_min_stops_each_chain_at_the_first_unsure_draft(target, monkeypatch):
+    """Scripted confidences: with p_min 0.5 and K=3 a chain stops before the first draft under 0.5, a round
+    that stops before its first draft is a plain target step (drafted 0), and the output stays greedy's.
+    summarize leaves those plain steps out of τ, as llama.cpp's counters do."""
+    import core.decode
+
+    model, _, prompts, _ = target
+    k, drafted = 3, [2, 0, 3, 1, 0, 3]
+    n_new = 1 + sum(d + 1 for d in drafted)
+    greedy = generate(model, [prompts[0]], n_new + 8, [])[0].tokens
+    confidences = iter([c for d in drafted for c in [0.9] * d + ([0.2] if d < k else [])])
+    monkeypatch.setattr(core.decode, "draft_confidence", lambda _logits: next(confidences))
+    d = untrained_drafter(model, [1, 2, 3])
+    calls = iter(range(10_000))  # every draft the target's own token
+    right = [greedy[1 + sum(x + 1 for x in drafted[:r]) + j] for r, x in enumerate(drafted) for j in range(x)]
+    d.draft_to_target = lambda _i: torch.tensor(right[next(calls)])
+    spec = speculative_generate(model, d, prompts[0], n_new, [], draft_steps=k, p_min=0.5)
+    assert spec.tokens == greedy[:n_new]
+    assert spec.drafted == drafted and spec.accept_lengths == [x + 1 for x in drafted]
+    r = summarize([{"id": "p", "tokens": n_new, "accept_lengths": spec.accept_lengths, "drafted": spec.drafted,
+                    "match": True, "time_baseline_s": 1.0, "time_spec_s": 1.0, "baseline_tokens": n_new}], k,
+                  p_min=0.5)
+    assert r["acceptance_length"] == (3 + 4 + 2 + 4) / 4 and r["drafting_share"] == 4 / 6
+    assert r["per_position_acceptance"] == [4 / 4, 3 / 4, 2 / 4]
+    with pytest.raises(ValueError, match="greedy chain"):
+        speculative_generate(model, d, prompts[0], 4, [], draft_steps=k, temperature=1.0, p_min=0.5)
 
 
 def test_accepted_stop_id_ends_generation_and_no_later_round_counts(target):
@@ -141,7 +183,7 @@ def test_a_report_says_where_mismatched_outputs_part_and_why(tmp_path):
     and tells bf16 rounding (the verify pass and the one-token step reduce differently) from a float32 bug."""
     assert common_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2 and common_prefix([1, 2], [1, 2, 3]) == 2
     assert common_prefix([5], [6]) == 0
-    rows = [{"id": i, "tokens": 4, "accept_lengths": [2, 2], "match": m, "agree": a, "time_baseline_s": 1.0,
+    rows = [{"id": i, "tokens": 4, "accept_lengths": [2, 2], "drafted": [3, 3], "match": m, "agree": a, "time_baseline_s": 1.0,
              "time_spec_s": 1.0, "baseline_tokens": 4} for i, (m, a) in enumerate([(True, 4), (False, 37), (False, 5)])]
     r = summarize(rows, 3)
     assert r["outputs_match_baseline"] is False and r["mismatched_prompts"] == [1, 2]

@@ -25,6 +25,8 @@ from eval.llamacpp_server import LlamaServer, server_binary
 from eval.server_eval import run_level
 from tests.conftest import run_stage
 
+P_MIN = 0.9
+
 
 @pytest.fixture(scope="module")
 def served(overfit_tiny):
@@ -131,6 +133,31 @@ def test_p_min_reaches_llamacpp_and_keeps_its_outputs(served):
     level1 = report["server"]["levels"][0]["spec"]["rows"]
     assert sum(r["timings"]["draft_n"] for r in level1) > 0  # the same server at p_min 0 drafted
     assert [r["text"] for r in rows] == [r["text"] for r in level1]
+
+
+def test_llamacpp_stops_drafting_where_our_engine_stops_at_p_min(served):
+    """eval.draft_p_min in both engines: llama.cpp ends a chain at a draft whose probability (softmax over its
+    top 10) is below p_min, ours by the same rule (core.decode.draft_confidence). Per prompt whose greedy text
+    both engines share, the drafts llama.cpp verified and accepted (timings.draft_n, draft_n_accepted) must
+    equal ours on >= 90% of them, and p_min must have stopped chains in both (so the rule is exercised)."""
+    from core.decode import speculative_generate
+    from eval.run import load_engine
+
+    cfg, run_dir, prompts, report = served
+    shared = same_output_prompts(report)
+    model, tok, drafter, stop = load_engine(cfg, run_dir / "drafter")
+    n, k, p_min = report["server"]["max_new_tokens"], 3, P_MIN
+    items = [(i, ids) for i, ids in eval_prompt_ids(cfg, tok, str(prompts)) if i in shared]
+    ours = {i: speculative_generate(model, drafter, ids, n, stop, k, p_min=p_min) for i, ids in items}
+    target, gguf = run_dir / "eval/llamacpp/target-f32.gguf", next((run_dir / "eval/llamacpp").glob("drafter-*.gguf"))
+    with LlamaServer(server_binary(cache_root(cfg)), target, gguf, k=k, p_min=p_min) as url:
+        rows = run_level(url, items, n, 1, "llamacpp")["rows"]
+    theirs = {r["id"]: (r["timings"].get("draft_n", 0), r["timings"].get("draft_n_accepted", 0)) for r in rows}
+    mine = {i: (sum(g.drafted), sum(a - 1 for a in g.accept_lengths)) for i, g in ours.items()}
+    equal = sum(theirs[i] == mine[i] for i in mine)
+    assert equal >= 0.9 * len(mine), str({i: (mine[i], theirs[i]) for i in mine})
+    rounds = sum(len(g.drafted) for g in ours.values())
+    assert sum(d for d, _ in mine.values()) < k * rounds and sum(d for d, _ in theirs.values()) < k * rounds
 
 
 def test_target_gguf_choice_follows_the_eval_keys(tmp_path):
