@@ -280,8 +280,9 @@ def _emitted(candidates: list[int], stop_ids: list[int], budget: int) -> list[in
 
 
 def acceptance_length(accept_lengths: list[int]) -> float:
-    """τ: mean tokens per target verification (accepted drafts + the target's own token)."""
-    return sum(accept_lengths) / max(1, len(accept_lengths))
+    """τ: mean tokens per target verification (accepted drafts + the target's own token); 1 when no round
+    drafted (every token a plain target step)."""
+    return sum(accept_lengths) / len(accept_lengths) if accept_lengths else 1.0
 
 
 @torch.inference_mode()

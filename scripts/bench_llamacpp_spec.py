@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.chat import eval_prompt_ids  # noqa: E402
 from core.config import load_config  # noqa: E402
-from core.decode import speculative_generate  # noqa: E402
+from core.decode import acceptance_length, speculative_generate  # noqa: E402
 from core.target import (  # noqa: E402
     cache_root,
     resolve_target,
@@ -115,7 +115,7 @@ def main() -> int:
     for k, p_min in [] if args.no_ours else [(k, p) for p in p_mins for k in ks]:
         gens = [speculative_generate(model, drafter, ids, n, stop, k, p_min=p_min) for _, ids in items]
         lengths = [a for g in gens for a, d in zip(g.accept_lengths, g.drafted, strict=True) if d > 0]
-        ours[k, p_min] = sum(lengths) / max(1, len(lengths))
+        ours[k, p_min] = acceptance_length(lengths)
     with tmp, contextlib.ExitStack() as stack:
         specs = []  # (label, gguf, k, p_min, drafter, flags): one speculative server each, all up beside the base
         for d in drafters:

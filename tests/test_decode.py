@@ -149,6 +149,9 @@ def test_p_min_stops_each_chain_at_the_first_unsure_draft(target, monkeypatch):
                   p_min=0.5)
     assert r["acceptance_length"] == (3 + 4 + 2 + 4) / 4 and r["drafting_share"] == 4 / 6
     assert r["per_position_acceptance"] == [4 / 4, 3 / 4, 2 / 4]
+    none = summarize([{"id": "p", "tokens": 3, "accept_lengths": [1, 1], "drafted": [0, 0], "match": True,
+                       "time_baseline_s": 1.0, "time_spec_s": 1.0, "baseline_tokens": 3}], k, p_min=0.99)
+    assert none["acceptance_length"] == 1.0 and none["drafting_share"] == 0  # plain steps only: τ 1, not 0
     with pytest.raises(ValueError, match="greedy chain"):
         speculative_generate(model, d, prompts[0], 4, [], draft_steps=k, temperature=1.0, p_min=0.5)
 
