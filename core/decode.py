@@ -34,6 +34,10 @@ class Generation:
     accept_lengths: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)  # drafts each verification checked (0: a plain step)
 
+    def drafting_rounds(self) -> list[int]:
+        """accept_lengths of the verifications that drafted: the rounds τ counts, as llama.cpp counts."""
+        return [a for a, d in zip(self.accept_lengths, self.drafted, strict=True) if d > 0]
+
 
 def new_cache(model, max_len: int) -> StaticCache:
     """A static cache whose layers `_seek` can move: full attention only (checked once, here)."""

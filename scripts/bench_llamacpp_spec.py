@@ -113,9 +113,8 @@ def main() -> int:
     p_mins = [float(p) for p in args.p_min.split(",")]
     ours = {}  # (K, p_min) -> τ over the verifications that drafted, as llama.cpp counts
     for k, p_min in [] if args.no_ours else [(k, p) for p in p_mins for k in ks]:
-        gens = [speculative_generate(model, drafter, ids, n, stop, k, p_min=p_min) for _, ids in items]
-        lengths = [a for g in gens for a, d in zip(g.accept_lengths, g.drafted, strict=True) if d > 0]
-        ours[k, p_min] = acceptance_length(lengths)
+        ours[k, p_min] = acceptance_length([a for _, ids in items for a in speculative_generate(
+            model, drafter, ids, n, stop, k, p_min=p_min).drafting_rounds()])
     with tmp, contextlib.ExitStack() as stack:
         specs = []  # (label, gguf, k, p_min, drafter, flags): one speculative server each, all up beside the base
         for d in drafters:

@@ -144,6 +144,7 @@ def test_p_min_stops_each_chain_at_the_first_unsure_draft(target, monkeypatch):
     spec = speculative_generate(model, d, prompts[0], n_new, [], draft_steps=k, p_min=0.5)
     assert spec.tokens == greedy[:n_new]
     assert spec.drafted == drafted and spec.accept_lengths == [x + 1 for x in drafted]
+    assert spec.drafting_rounds() == [3, 4, 2, 4]  # the rounds τ counts
     r = summarize([{"id": "p", "tokens": n_new, "accept_lengths": spec.accept_lengths, "drafted": spec.drafted,
                     "match": True, "time_baseline_s": 1.0, "time_spec_s": 1.0, "baseline_tokens": n_new}], k,
                   p_min=0.5)

@@ -45,6 +45,6 @@ class TauProbe:
         lengths = []
         for _, ids in self.items:
             out = speculative_generate(self.model, draft, ids, self.cfg.train.tau_new_tokens, self.stop,
-                                       self.cfg.eval.draft_steps)
-            lengths += out.accept_lengths
+                                       self.cfg.eval.draft_steps, p_min=self.cfg.eval.draft_p_min)
+            lengths += out.drafting_rounds()
         return acceptance_length(lengths)
