@@ -59,6 +59,8 @@ POOL = ("tests/test_data_gen_hf_pool.py",)
 TERM = ("tests/test_data_gen_hf_pool.py::test_sigterm_commits_every_finished_conversation_and_a_rerun_does_only_the_rest",)
 DECODE_ATTN = ("tests/test_decode_attention.py",)
 DATASET = "tests/test_data_gen_dataset.py::"
+P_MIN_TESTS = ("tests/test_decode.py::test_draft_confidence_is_llamacpps_top10_probability",
+               "tests/test_decode.py::test_p_min_stops_each_chain_at_the_first_unsure_draft")
 MUTANTS = [
     Mutant("M1", "resume skips accelerator.load_state (fresh weights, old step counter)", "train/checkpoint.py",
            '    accelerator.load_state(str(ckpt_root / latest["path"]))\n', "", RESUME),
@@ -182,6 +184,13 @@ MUTANTS = [
            "core/decode.py", "residual = (p[j] - q).clamp(min=0)", "residual = p[j].clone()", SAMPLING),
     Mutant("S2", "speculative sampling accepts every draft", "core/decode.py",
            "if torch.rand((), generator=generator, device=p.device) * q[x] < p[j, x]:", "if True:", SAMPLING),
+    Mutant("X1", "p_min compares the full-vocab softmax, not llama.cpp's top-10 one", "core/decode.py",
+           "top = logits.float().topk(min(10, logits.shape[-1])).values", "top = logits.float().sort(descending=True).values",
+           (P_MIN_TESTS[0],)),
+    Mutant("X2", "p_min never stops a chain", "core/decode.py",
+           "        if p_min > 0 and draft_confidence(logits[0]) < p_min:\n            break\n", "", P_MIN_TESTS),
+    Mutant("X3", "τ counts the plain steps of rounds p_min stopped before their first draft", "eval/report.py",
+           "lengths = [a for a, d in rounds if d > 0]", "lengths = [a for a, d in rounds]", P_MIN_TESTS[1:]),
     Mutant("T1", "tree verification: every node sees every other node (no ancestor mask)", "core/decode.py",
            "mask[0, 0, 1:, m + 1: m + 1 + n] = tree.visible().to(model.device)",
            "mask[0, 0, 1:, m + 1: m + 1 + n] = True", TREE),
