@@ -88,11 +88,18 @@ def test_check_compat_refuses_a_missing_or_different_key(tmp_path):
     ("train.pack_length=127", "train.pack_length = 127: must be 0 (off) or >= train.max_len (128)"),
     ("eval.target_outtype=q3", "eval.target_outtype = 'q3': must be one of '' | 'f32'"),
     ("eval.gguf_outtype=fp16", "eval.gguf_outtype = 'fp16': must be one of 'f32' | 'f16'"),
+    ("eval.draft_p_min=-0.5", "eval.draft_p_min = -0.5: must be >= 0"),
 ])
 def test_values_out_of_range_name_the_key_at_load(override, says):
     with pytest.raises(ValueError, match=re.escape(says)) as e:
         load_config(ROOT / "configs/tiny-random-llama.yaml", [override])
     assert str(e.value).startswith(str(ROOT / "configs/tiny-random-llama.yaml"))
+
+
+@pytest.mark.parametrize("mode", ["eval.temperature=0.7", "eval.draft_tree=[3,2,6]", "eval.engine=server"])
+def test_p_min_is_refused_where_no_greedy_chain_of_ours_or_llamacpps_runs(mode):
+    with pytest.raises(ValueError, match=re.escape("eval.draft_p_min = 0.5: it stops a greedy chain")):
+        load_config(ROOT / "configs/tiny-random-llama.yaml", ["eval.draft_p_min=0.5", mode])
 
 
 def test_every_shipped_config_is_in_range():
