@@ -106,7 +106,7 @@ def _mode(r: dict) -> str:
              else f"chain of {r['draft_steps']} drafts per verification")
     if r.get("draft_p_min"):
         shape += (f", stopped at a draft below p {r['draft_p_min']:g} (τ counts the verifications that drafted"
-                  + (f": {r['drafting_share']:.0%} of them)" if "drafting_share" in r else ")"))
+                  + (f"; our engine drafted in {r['drafting_share']:.0%} of its)" if "drafting_share" in r else ")"))
     sampling = "greedy (T=0)" if not r["temperature"] else f"speculative sampling at T={r['temperature']}"
     return f"{sampling}, {shape}"
 

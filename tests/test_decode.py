@@ -125,7 +125,7 @@ def test_draft_confidence_is_llamacpps_top10_probability():
     assert draft_confidence(logits) == pytest.approx(float(torch.softmax(top, -1)[-1]), rel=1e-6)
 
 
-def test_p_min_stops_each_chain_at_the_first_unsure_draft(target, monkeypatch):
+def test_p_min_stops_each_chain_at_the_first_unsure_draft(target, monkeypatch, tmp_path):
     """Scripted confidences: with p_min 0.5 and K=3 a chain stops before the first draft under 0.5, a round
     that stops before its first draft is a plain target step (drafted 0), and the output stays greedy's.
     summarize leaves those plain steps out of τ, as llama.cpp's counters do."""
@@ -138,9 +138,8 @@ def test_p_min_stops_each_chain_at_the_first_unsure_draft(target, monkeypatch):
     confidences = iter([c for d in drafted for c in [0.9] * d + ([0.2] if d < k else [])])
     monkeypatch.setattr(core.decode, "draft_confidence", lambda _logits: next(confidences))
     d = untrained_drafter(model, [1, 2, 3])
-    calls = iter(range(10_000))  # every draft the target's own token
-    right = [greedy[1 + sum(x + 1 for x in drafted[:r]) + j] for r, x in enumerate(drafted) for j in range(x)]
-    d.draft_to_target = lambda _i: torch.tensor(right[next(calls)])
+    right = iter([greedy[1 + sum(x + 1 for x in drafted[:r]) + j] for r, x in enumerate(drafted) for j in range(x)])
+    d.draft_to_target = lambda _i: torch.tensor(next(right))  # every draft the target's own token
     spec = speculative_generate(model, d, prompts[0], n_new, [], draft_steps=k, p_min=0.5)
     assert spec.tokens == greedy[:n_new]
     assert spec.drafted == drafted and spec.accept_lengths == [x + 1 for x in drafted]
@@ -150,6 +149,9 @@ def test_p_min_stops_each_chain_at_the_first_unsure_draft(target, monkeypatch):
                   p_min=0.5)
     assert r["acceptance_length"] == (3 + 4 + 2 + 4) / 4 and r["drafting_share"] == 4 / 6
     assert r["per_position_acceptance"] == [4 / 4, 3 / 4, 2 / 4]
+    write_report(tmp_path, {**r, "target": "t", "device": "cpu", "drafter": "d", "prompts": "p", "engine": "hf"}, [])
+    assert "stopped at a draft below p 0.5 (τ counts the verifications that drafted; our engine drafted in 67% of its)" \
+        in (tmp_path / "report.md").read_text()
     none = summarize([{"id": "p", "tokens": 3, "accept_lengths": [1, 1], "drafted": [0, 0], "match": True,
                        "time_baseline_s": 1.0, "time_spec_s": 1.0, "baseline_tokens": 3}], k, p_min=0.99)
     assert none["acceptance_length"] == 1.0 and none["drafting_share"] == 0  # plain steps only: τ 1, not 0

@@ -25,8 +25,6 @@ from eval.llamacpp_server import LlamaServer, server_binary
 from eval.server_eval import run_level
 from tests.conftest import run_stage
 
-P_MIN = 0.9
-
 
 @pytest.fixture(scope="module")
 def served(overfit_tiny):
@@ -39,6 +37,11 @@ def same_output_prompts(report: dict) -> dict[str, int]:
     """prompt id -> draft tokens our engine accepted, for prompts whose greedy text both engines share."""
     base = {r["id"]: r["text"] for r in report["server"]["levels"][0]["base"]["rows"]}
     return {p["id"]: sum(a - 1 for a in p["accept_lengths"]) for p in report["per_prompt"] if p["text"] == base[p["id"]]}
+
+
+def served_ggufs(run_dir) -> tuple:
+    """(target, drafter) GGUFs the `served` eval converted, for more servers of the same files."""
+    return run_dir / "eval/llamacpp/target-f32.gguf", next((run_dir / "eval/llamacpp").glob("drafter-*.gguf"))
 
 
 def llamacpp_accepted(rows: list[dict]) -> dict[str, int]:
@@ -126,7 +129,7 @@ def test_p_min_reaches_llamacpp_and_keeps_its_outputs(served):
     cfg, run_dir, prompts, report = served
     cache = cache_root(cfg)
     items = eval_prompt_ids(cfg, load_tokenizer(cfg), str(prompts))
-    target, gguf = run_dir / "eval/llamacpp/target-f32.gguf", next((run_dir / "eval/llamacpp").glob("drafter-*.gguf"))
+    target, gguf = served_ggufs(run_dir)
     with LlamaServer(server_binary(cache), target, gguf, k=3, p_min=1.01) as url:
         rows = run_level(url, items, report["server"]["max_new_tokens"], 1, "llamacpp")["rows"]
     assert sum(r["timings"].get("draft_n", 0) for r in rows) == 0  # llama.cpp leaves the key out when it drafted nothing
@@ -146,10 +149,10 @@ def test_llamacpp_stops_drafting_where_our_engine_stops_at_p_min(served):
     cfg, run_dir, prompts, report = served
     shared = same_output_prompts(report)
     model, tok, drafter, stop = load_engine(cfg, run_dir / "drafter")
-    n, k, p_min = report["server"]["max_new_tokens"], 3, P_MIN
+    n, k, p_min = report["server"]["max_new_tokens"], 3, 0.9
     items = [(i, ids) for i, ids in eval_prompt_ids(cfg, tok, str(prompts)) if i in shared]
     ours = {i: speculative_generate(model, drafter, ids, n, stop, k, p_min=p_min) for i, ids in items}
-    target, gguf = run_dir / "eval/llamacpp/target-f32.gguf", next((run_dir / "eval/llamacpp").glob("drafter-*.gguf"))
+    target, gguf = served_ggufs(run_dir)
     with LlamaServer(server_binary(cache_root(cfg)), target, gguf, k=k, p_min=p_min) as url:
         rows = run_level(url, items, n, 1, "llamacpp")["rows"]
     theirs = {r["id"]: (r["timings"].get("draft_n", 0), r["timings"].get("draft_n_accepted", 0)) for r in rows}
