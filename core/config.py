@@ -120,6 +120,9 @@ class TrainConfig:
     stop_after: int = _f(0, "end this launch with a checkpoint after this many optimizer steps, without exporting; a "
                             "rerun continues, on any number of processes (job slots shorter than the run); 0 = to the end",
                          ge=0)
+    epoch_drafters: bool = _f(False, "also export the drafter at the end of each epoch but the last to "
+                                     "train/epochs/epoch-N (SGLang format, ~2 bytes a weight): one to serve or "
+                                     "evaluate when a run is cut off later, and τ per epoch")
     log_samples: bool = _f(False, "write train/samples.jsonl: each micro-batch's step, epoch, batch index, rank, sample "
                                   "ids and loss (an audit of what the run trained on; one sync per micro-batch)")
     aux_noise: float = _f(0.0, "uniform noise U(-a, a) added to the RMS-normalised aux features while training "

@@ -152,7 +152,9 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     # here: cat headline.tar.xz.* | tar -xJ   (the drafter, train curves/metrics/manifest, the conversations, evals, logs)
     : "${OUT:?pack writes to \$OUT}"
     rm -f "$OUT"/headline.tar.xz.*
-    (cd $S && XZ_OPT=-T0 tar -cJf - --ignore-failed-read run/drafter run/train/metrics.jsonl run/train/curves.png \
+    # until the final drafter exists, the newest epoch's (train.epoch_drafters): a lost machine still gives one
+    epoch=$(cd $S && { [ -d run/drafter ] || ls -d run/train/epochs/epoch-* 2>/dev/null; } | sort -V | tail -n 1 || true)
+    (cd $S && XZ_OPT=-T0 tar -cJf - --ignore-failed-read run/drafter $epoch run/train/metrics.jsonl run/train/curves.png \
        run/train/manifest.json run/conversations run/evals logs) |
       split -b 15000000 - "$OUT/headline.tar.xz."
     ls -la "$OUT" ;;

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from core.config import load_config
 from core.errors import UserError
-from core.target import load_target_embeddings
+from core.target import load_target_embeddings, target_info
 from tests.conftest import ROOT
 from train.data import ShardSource, collate
 from train.online import OnlineSource
@@ -41,7 +41,7 @@ def runs(tmp_path_factory):
     from train.loop import main as train
 
     root = tmp_path_factory.mktemp("online")
-    offline, online = tiny(root / "offline"), tiny(root / "online", "train.source=online")
+    offline, online = tiny(root / "offline"), tiny(root / "online", "train.source=online", "train.epoch_drafters=true")
     generate(offline)
     shutil.copytree(offline.run_path / "conversations", online.run_path / "conversations")
     extract(offline)
@@ -138,7 +138,7 @@ def test_online_resumes_after_a_crash_to_the_same_drafter(runs, tmp_path, monkey
     from train.loop import main as train
 
     _, online = runs
-    cfg = tiny(tmp_path / "run", "train.source=online", "train.save_every=4")
+    cfg = tiny(tmp_path / "run", "train.source=online", "train.save_every=4", "train.epoch_drafters=true")
     shutil.copytree(online.run_path / "conversations", cfg.run_path / "conversations")
     complete, calls = OnlineSource.complete, []
 
@@ -155,6 +155,24 @@ def test_online_resumes_after_a_crash_to_the_same_drafter(runs, tmp_path, monkey
     monkeypatch.setattr(OnlineSource, "complete", complete)
     train(cfg)
     assert [r["step"] for r in metrics(cfg)] == list(range(1, 19))
-    want, got = (load_file(c.run_path / "drafter/model.safetensors") for c in (online, cfg))
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    for path in ["drafter", *(f"train/epochs/epoch-{e}" for e in range(1, 6))]:  # 6 epochs: the 6th is drafter/
+        want, got = (load_file(c.run_path / path / "model.safetensors") for c in (online, cfg))
+        for name in want:
+            assert torch.equal(got[name], want[name]), (path, name)
+
+
+def test_epoch_drafters_are_each_epochs_weights_in_the_export_format(runs):
+    """train.epoch_drafters: epochs 1-5 of a 6-epoch run, each a loadable drafter of its own weights."""
+    from core.drafter import Eagle3Drafter
+
+    _, online = runs
+    epochs = online.run_path / "train/epochs"
+    assert sorted(p.name for p in epochs.iterdir()) == [f"epoch-{e}" for e in range(1, 6)]
+    final = load_file(online.run_path / "drafter/model.safetensors")
+    first, fifth = (load_file(epochs / f"epoch-{e}/model.safetensors") for e in (1, 5))
+    assert first.keys() == final.keys()
+    assert not torch.equal(first["fc.weight"], fifth["fc.weight"]) and not torch.equal(fifth["fc.weight"], final["fc.weight"])
+    info = target_info(online)  # loaded as eval loads a drafter (eval/run.py)
+    d = Eagle3Drafter.from_pretrained(epochs / "epoch-5", load_target_embeddings(online).embed, info.model_type,
+                                      info.num_layers)
+    assert torch.equal(d.export_state_dict()["fc.weight"], fifth["fc.weight"])

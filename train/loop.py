@@ -75,7 +75,7 @@ SOURCES = {"offline": ShardSource, "online": OnlineSource}  # train/data.py: wha
 # how the step is computed, not what it computes: a run may resume with other values (source: its own keys)
 SETTINGS_EXCLUDED = ("source", "log_every", "save_every", "stop_after", "log_samples", "wandb_mode", "wandb_project",
                      "mixed_precision", "attention", "loss_chunk", "compile", "activation_checkpointing", "tau_every",
-                     "tau_prompts", "tau_new_tokens", "pack_length")
+                     "tau_prompts", "tau_new_tokens", "pack_length", "epoch_drafters")
 
 
 def training_settings(cfg: RunConfig, source, precision: str) -> dict:
