@@ -44,7 +44,7 @@ def run_batch(batch, pack_length, loss_on_prompt=False, aux_noise=0.0, prune_row
                      aux_noise=aux_noise)
     source = type("Source", (), {"complete": staticmethod(lambda b: b), "where": staticmethod(str)})
     head = (lm_head(d)[d.t2d], d.t2d, torch.rand(3 * d.config.target_hidden_size) + 0.5)
-    f = Fit(RunConfig(train=tc), None, TTTObjective(d, K, 0.8, prune_rows=prune_rows), None, source, None, None, head, None, 1, 1)
+    f = Fit(RunConfig(train=tc), None, TTTObjective(d, K, 0.8, prune_rows=prune_rows), None, source, None, None, head, None, 1, 1, None)
     loss, sums = batch_loss(f, batch, epoch=1, index=3, step=0)
     loss.backward()
     return loss.detach(), sums, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}

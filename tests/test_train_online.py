@@ -164,6 +164,8 @@ def test_online_resumes_after_a_crash_to_the_same_drafter(runs, tmp_path, monkey
 def test_epoch_drafters_are_each_epochs_weights_in_the_export_format(runs):
     """train.epoch_drafters: epochs 1-5 of a 6-epoch run, each a loadable drafter of its own weights."""
     from core.drafter import Eagle3Drafter
+    from eval.run import drafter_manifest
+    from train.draft_vocab import COUNTS_FILE
 
     _, online = runs
     epochs = online.run_path / "train/epochs"
@@ -176,3 +178,7 @@ def test_epoch_drafters_are_each_epochs_weights_in_the_export_format(runs):
     d = Eagle3Drafter.from_pretrained(epochs / "epoch-5", load_target_embeddings(online).embed, info.model_type,
                                       info.num_layers)
     assert torch.equal(d.export_state_dict()["fc.weight"], fifth["fc.weight"])
+    # its manifest names its target, which eval checks before loading a drafter (eval.run.drafter_manifest)
+    manifest = drafter_manifest(online, epochs / "epoch-5")
+    assert manifest["compat"]["target"] == online.target.model and manifest["counts"]["epoch"] == 5
+    assert (epochs / "epoch-5" / COUNTS_FILE).is_file()

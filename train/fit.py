@@ -8,7 +8,7 @@ resuming, the checkpoint loaded. Per step, in order: the micro-batches, the opti
 from __future__ import annotations
 
 import itertools
-import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +27,6 @@ from train.position import Slot, batch_generator, batches_done, lr_factor, rank_
 from train.tau_probe import TauProbe
 from train.ttt_loss import step_metrics, teacher_targets
 
-log = logging.getLogger("train")
-
 
 @dataclass
 class Fit:
@@ -44,6 +42,7 @@ class Fit:
     train_dir: Path
     step_batches: int  # batches per optimizer step at the run's first launch
     accum: int  # micro-batches per rank per step in this launch
+    export: Callable[[int, int], None]  # (step, epoch): train.loop.export of the drafter after that epoch, rank 0
     window: dict | None = None  # per-step metric sums since the last log line
     records: list = field(default_factory=list)  # train.log_samples rows of this step, this rank
 
@@ -121,17 +120,6 @@ def log_metrics(f: Fit, row: dict) -> dict:
     return row
 
 
-def export_epoch_drafter(f: Fit, epoch: int) -> None:
-    """train.epoch_drafters: the drafter after `epoch` epochs, small enough to bring back from a machine that
-    may be lost before the run ends: bf16 weights without the target's embedding, where a checkpoint holds
-    fp32 weights and AdamW's two moments (29 MB against ~0.3 GB for the SmolLM2 headline drafter)."""
-    if f.accelerator.is_main_process:
-        out = f.train_dir / "epochs" / f"epoch-{epoch}"
-        f.accelerator.unwrap_model(f.objective).drafter.save_pretrained(out)
-        log.info("epoch %d's drafter exported to %s", epoch, out)
-    f.accelerator.wait_for_everyone()
-
-
 def fit(f: Fit, step: int, start_epoch: int, epoch_samples: int) -> tuple[int, bool]:
     """Train from `epoch_samples` samples into `start_epoch` (step `step` done) to the end of the run, or
     for train.stop_after steps -> (steps done, stopped early)."""
@@ -176,6 +164,8 @@ def fit(f: Fit, step: int, start_epoch: int, epoch_samples: int) -> tuple[int, b
             save_checkpoint(accelerator, f.train_dir / "checkpoints", {
                 "step": step, "epoch": epoch + 1, "epoch_samples": 0, "step_batches": f.step_batches})
         if tc.epoch_drafters and epoch + 1 < tc.epochs:  # the last epoch's is drafter/
-            export_epoch_drafter(f, epoch + 1)
+            if accelerator.is_main_process:
+                f.export(step, epoch + 1)
+            accelerator.wait_for_everyone()
     bar.close()
     return step, stopped

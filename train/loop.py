@@ -176,18 +176,22 @@ def open_run(cfg: RunConfig, accelerator: Accelerator, source, fresh: bool):
 
 
 def export(cfg: RunConfig, drafter: Eagle3Drafter, source, step: int, coverage: float, settings: dict,
-           runtime: dict, vocab_counts: dict) -> None:
-    """The SGLang-format drafter with its draft tokens' counts (for `python -m train.prune_vocab`), curves.png,
-    and the manifests of drafter/ and train/."""
-    train_dir, out = cfg.run_path / "train", cfg.run_path / "drafter"
+           runtime: dict, vocab_counts: dict, epoch: int | None = None) -> None:
+    """The SGLang-format drafter with its draft tokens' counts (for `python -m train.prune_vocab`) and its
+    manifest (its target, which eval checks); at the run's end (epoch None) into drafter/, with curves.png and
+    train/'s manifest; after an epoch (train.epoch_drafters) into train/epochs/epoch-N."""
+    train_dir = cfg.run_path / "train"
+    out = cfg.run_path / "drafter" if epoch is None else train_dir / "epochs" / f"epoch-{epoch}"
     drafter.save_pretrained(out)
     atomic_write_json(out / COUNTS_FILE, vocab_counts)
     rows = read_jsonl(train_dir / "metrics.jsonl")
-    plot_curves(rows, train_dir / "curves.png")
+    if epoch is None:
+        plot_curves(rows, train_dir / "curves.png")
     last = (rows or [{}])[-1]
     compat = {key: source.compat[key] for key in ("target", "hidden_size", "vocab_size", "aux_layers")}
-    counts = {"steps": step, "draft_vocab_coverage": coverage, "final_metrics": last}
-    for d in (out, train_dir):
+    counts = {"steps": step, "draft_vocab_coverage": coverage, "final_metrics": last,
+              **({} if epoch is None else {"epoch": epoch})}
+    for d in (out,) if epoch else (out, train_dir):
         write_manifest(d, "train", cfg, compat, counts, source.inputs, settings, {"runtime": runtime})
     log.info("drafter exported to %s (final %s)", out, {k: round(v, 4) for k, v in last.items()})
 
@@ -258,14 +262,19 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
         accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg), init_kwargs={
             "wandb": {"dir": str(train_dir), "name": cfg.name, "mode": tc.wandb_mode}})
     probe = TauProbe(cfg, source.model if tc.source == "online" and tc.tau_every else None)  # one target copy
+    vocab_counts = counts_record(draft_ids, counts[draft_ids], "assistant tokens of the training samples")
+
+    def export_at(step: int, epoch: int | None = None) -> None:
+        export(cfg, accelerator.unwrap_model(objective).drafter, source, step, coverage, settings, runtime,
+               vocab_counts, epoch)
+
     f = Fit(cfg, accelerator, objective, opt, source, ds, probe, (draft_head, t2d_dev, raw_rms), train_dir,
-            step_batches, accum)
+            step_batches, accum, export_at)
     step, stopped = fit(f, step, epoch, epoch_samples)
     accelerator.end_training()
     if stopped:
         log.info("stopped after %d steps of this launch (train.stop_after): rerun to continue from step %d, "
                  "on any number of processes", tc.stop_after, step)
     elif accelerator.is_main_process:
-        export(cfg, accelerator.unwrap_model(objective).drafter, source, step, coverage, settings, runtime,
-               counts_record(draft_ids, counts[draft_ids], "assistant tokens of the training samples"))
+        export_at(step)
     return out
