@@ -85,7 +85,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True, help="a drafter dir, or a comma list of them (compared in one run)")
     ap.add_argument("--config", default="configs/smollm2-135m-instruct.yaml")
-    ap.add_argument("--prompts", default=None, help="prompt file (default: the config's held-out prompts)")
+    ap.add_argument("--prompts", default=None, help="a prompt file, or heldout (the default): the config's held-out ShareGPT prompts")
     ap.add_argument("--k", default="2,3,5,7")
     ap.add_argument("--outtype", default="f32")
     ap.add_argument("--max-prompts", type=int, default=16)
@@ -105,7 +105,7 @@ def main() -> int:
     cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
     drafters = args.drafter.split(",")
     model, tok, drafter, stop = load_engine(cfg, drafters[0])  # our τ: of the first drafter
-    items = eval_prompt_ids(cfg, tok, args.prompts)
+    items = eval_prompt_ids(cfg, tok, None if args.prompts in (None, "heldout") else args.prompts)
     n = args.max_new_tokens
     cache = cache_root(cfg)
     tree = llamacpp_tree(cache)
