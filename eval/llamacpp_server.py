@@ -88,8 +88,11 @@ class LlamaServer:
         self.cmd = [str(binary), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(self.port), "--jinja",
                     "--metrics", "-np", str(parallel), "-c", str(ctx * parallel), "-t", str(threads)]
         if draft_gguf is not None:
+            # draft tokens sampled on the host, not in the drafter's graph: with several slots drafting at once,
+            # b11434's in-graph sampling cut depth-1 acceptance from 0.45 to 0.17 (4 in flight, MT-Bench, the
+            # seventh drafter); on the host it stays 0.45, and at 1 in flight τ and speed are the same either way
             self.cmd += ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
-                         "--spec-draft-p-min", str(p_min)]
+                         "--spec-draft-p-min", str(p_min), "--no-spec-draft-backend-sampling"]
         self.cmd += list(extra_args)  # any other llama-server flags, e.g. ("-fa", "on")
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None

@@ -1,0 +1,96 @@
+"""Where our engine's τ and llama.cpp's part: prompt by prompt, both engines' τ at one K and p_min, and whether
+the two targets wrote the same greedy tokens.
+
+    python scripts/llamacpp_tau_per_prompt.py --drafter results/smollm2-135m-instruct/drafter \
+        --config /tmp/gpu_fp32.yaml --prompts ../shared/data/mt_bench/question.jsonl --k 7 --p-min 0.5
+
+Our fp32 target and llama.cpp's converted one round differently; at a near tie their greedy answers part, and from
+there each engine's drafter is scored on another text. τ over all prompts then compares different texts, so
+the totals are also given over the prompts where our tokens equal llama.cpp's base server's (and its
+speculative server's): there the two engines should agree to the draft. llama.cpp's τ per prompt comes from
+its /metrics counters read around each request (one request at a time), as bench_llamacpp_spec.py counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from core.chat import eval_prompt_ids  # noqa: E402
+from core.config import load_config  # noqa: E402
+from core.decode import speculative_generate  # noqa: E402
+from core.target import cache_root, resolve_target  # noqa: E402
+from eval.llamacpp import convert_drafter, convert_to_gguf, llamacpp_tree  # noqa: E402
+from eval.llamacpp_server import LlamaServer, build_server, complete, spec_counters, target_gguf_choice  # noqa: E402
+from eval.run import load_engine  # noqa: E402
+
+
+def taus(rows: list[dict]) -> tuple[float, float]:
+    """(ours, llama.cpp's) τ over rows: ours = tokens / verifications that drafted (1 if none drafted),
+    llama.cpp's = 1 + accepted / drafts."""
+    rounds = sum(r["ours_rounds"] for r in rows)
+    ours = sum(r["ours_tokens"] for r in rows) / rounds if rounds else 1.0
+    return ours, 1 + sum(r["accepted"] for r in rows) / max(sum(r["drafts"] for r in rows), 1)
+
+
+def totals(rows: list[dict]) -> str:
+    ours, theirs = taus(rows)
+    return f"τ ours {ours:.3f}, llama.cpp {theirs:.3f} ({len(rows)} prompts)"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--config", default="configs/smollm2-135m-instruct.yaml")
+    ap.add_argument("--prompts", default="heldout", help="a prompt file, or heldout: the config's held-out prompts")
+    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--p-min", type=float, default=0.0)
+    ap.add_argument("--outtype", default="q8_0", help="the drafter GGUF's type")
+    ap.add_argument("--target-outtype", default="f32", choices=["q4_1", "f16", "bf16", "f32"])
+    ap.add_argument("--max-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    args = ap.parse_args()
+    cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
+    model, tok, drafter, stop = load_engine(cfg, args.drafter)
+    items = eval_prompt_ids(cfg, tok, None if args.prompts == "heldout" else args.prompts)
+    cache = cache_root(cfg)
+    tree = llamacpp_tree(cache)
+    binary = build_server(tree, cache)
+    convert = "" if args.target_outtype == "q4_1" else args.target_outtype
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        target_gguf, convert_at = target_gguf_choice("", cfg.target.model, convert, convert)
+        if target_gguf is None:
+            target_gguf = convert_to_gguf(tree, resolve_target(cfg), Path(tmp) / "target.gguf", convert_at)
+        draft_gguf = convert_drafter(tree, Path(args.drafter), resolve_target(cfg), Path(tmp) / "draft.gguf",
+                                     args.outtype)
+        with (LlamaServer(binary, target_gguf) as base,
+              LlamaServer(binary, target_gguf, draft_gguf, k=args.k, p_min=args.p_min) as spec):
+            print("| prompt | ours = llama.cpp base | llama.cpp spec = base | first differing token | τ ours | τ llama.cpp |\n"
+                  "|---|---|---|---|---|---|", flush=True)
+            for pid, ids in items:
+                ours = speculative_generate(model, drafter, ids, args.max_new_tokens, stop, args.k, p_min=args.p_min)
+                base_ids = complete(base, ids, args.max_new_tokens)["tokens"]
+                before = spec_counters(spec)
+                theirs = complete(spec, ids, args.max_new_tokens)["tokens"]
+                after = spec_counters(spec)
+                drafted = ours.drafting_rounds()
+                row = {"same": ours.tokens == base_ids, "spec_same": theirs == base_ids, "ours_tokens": sum(drafted),
+                       "ours_rounds": len(drafted), "drafts": after["drafts"] - before["drafts"],
+                       "accepted": after["accepted"] - before["accepted"]}
+                rows.append(row)
+                first = next((i for i, (a, b) in enumerate(zip(ours.tokens, base_ids, strict=False)) if a != b),
+                             None if len(ours.tokens) == len(base_ids) else min(len(ours.tokens), len(base_ids)))
+                print(f"| {pid} | {'yes' if row['same'] else 'no'} | {'yes' if row['spec_same'] else 'no'} | "
+                      f"{'-' if first is None else first} | {taus([row])[0]:.3f} | {taus([row])[1]:.3f} |", flush=True)
+    print(f"all prompts: {totals(rows)}")
+    print(f"ours = llama.cpp base: {totals([r for r in rows if r['same']])}")
+    print(f"ours = llama.cpp base = llama.cpp spec: {totals([r for r in rows if r['same'] and r['spec_same']])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
