@@ -23,8 +23,7 @@ from core.chat import eval_prompt_ids  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.decode import speculative_generate  # noqa: E402
 from core.target import cache_root, resolve_target  # noqa: E402
-from eval.llamacpp import convert_drafter, convert_to_gguf, llamacpp_tree  # noqa: E402
-from eval.llamacpp_server import LlamaServer, build_server, complete, spec_counters, target_gguf_choice  # noqa: E402
+from eval.llamacpp_server import complete, served_by_llamacpp, spec_counters  # noqa: E402
 from eval.run import load_engine  # noqa: E402
 
 
@@ -55,37 +54,30 @@ def main() -> int:
     args = ap.parse_args()
     cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
     model, tok, drafter, stop = load_engine(cfg, args.drafter)
-    items = eval_prompt_ids(cfg, tok, None if args.prompts == "heldout" else args.prompts)
-    cache = cache_root(cfg)
-    tree = llamacpp_tree(cache)
-    binary = build_server(tree, cache)
-    convert = "" if args.target_outtype == "q4_1" else args.target_outtype
+    items = eval_prompt_ids(cfg, tok, args.prompts)
+    convert = "" if args.target_outtype == "q4_1" else args.target_outtype  # q4_1: the embedded file
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        target_gguf, convert_at = target_gguf_choice("", cfg.target.model, convert, convert)
-        if target_gguf is None:
-            target_gguf = convert_to_gguf(tree, resolve_target(cfg), Path(tmp) / "target.gguf", convert_at)
-        draft_gguf = convert_drafter(tree, Path(args.drafter), resolve_target(cfg), Path(tmp) / "draft.gguf",
-                                     args.outtype)
-        with (LlamaServer(binary, target_gguf) as base,
-              LlamaServer(binary, target_gguf, draft_gguf, k=args.k, p_min=args.p_min) as spec):
-            print("| prompt | ours = llama.cpp base | llama.cpp spec = base | first differing token | τ ours | τ llama.cpp |\n"
-                  "|---|---|---|---|---|---|", flush=True)
-            for pid, ids in items:
-                ours = speculative_generate(model, drafter, ids, args.max_new_tokens, stop, args.k, p_min=args.p_min)
-                base_ids = complete(base, ids, args.max_new_tokens)["tokens"]
-                before = spec_counters(spec)
-                theirs = complete(spec, ids, args.max_new_tokens)["tokens"]
-                after = spec_counters(spec)
-                drafted = ours.drafting_rounds()
-                row = {"same": ours.tokens == base_ids, "spec_same": theirs == base_ids, "ours_tokens": sum(drafted),
-                       "ours_rounds": len(drafted), "drafts": after["drafts"] - before["drafts"],
-                       "accepted": after["accepted"] - before["accepted"]}
-                rows.append(row)
-                first = next((i for i, (a, b) in enumerate(zip(ours.tokens, base_ids, strict=False)) if a != b),
-                             None if len(ours.tokens) == len(base_ids) else min(len(ours.tokens), len(base_ids)))
-                print(f"| {pid} | {'yes' if row['same'] else 'no'} | {'yes' if row['spec_same'] else 'no'} | "
-                      f"{'-' if first is None else first} | {taus([row])[0]:.3f} | {taus([row])[1]:.3f} |", flush=True)
+    with (tempfile.TemporaryDirectory() as tmp,
+          served_by_llamacpp(cache_root(cfg), resolve_target(cfg), Path(args.drafter), Path(tmp), args.k, 1,
+                             outtype=args.outtype, target_name=cfg.target.model, target_outtype=convert,
+                             p_min=args.p_min) as (base, spec)):
+        print("| prompt | ours = llama.cpp base | llama.cpp spec = base | first differing token | τ ours | τ llama.cpp |\n"
+              "|---|---|---|---|---|---|", flush=True)
+        for pid, ids in items:
+            ours = speculative_generate(model, drafter, ids, args.max_new_tokens, stop, args.k, p_min=args.p_min)
+            base_ids = complete(base, ids, args.max_new_tokens)["tokens"]
+            before = spec_counters(spec)
+            theirs = complete(spec, ids, args.max_new_tokens)["tokens"]
+            after = spec_counters(spec)
+            drafted = ours.drafting_rounds()
+            row = {"same": ours.tokens == base_ids, "spec_same": theirs == base_ids, "ours_tokens": sum(drafted),
+                   "ours_rounds": len(drafted), "drafts": after["drafts"] - before["drafts"],
+                   "accepted": after["accepted"] - before["accepted"]}
+            rows.append(row)
+            first = next((i for i, (a, b) in enumerate(zip(ours.tokens, base_ids, strict=False)) if a != b),
+                         None if len(ours.tokens) == len(base_ids) else min(len(ours.tokens), len(base_ids)))
+            print(f"| {pid} | {'yes' if row['same'] else 'no'} | {'yes' if row['spec_same'] else 'no'} | "
+                  f"{'-' if first is None else first} | {taus([row])[0]:.3f} | {taus([row])[1]:.3f} |", flush=True)
     print(f"all prompts: {totals(rows)}")
     print(f"ours = llama.cpp base: {totals([r for r in rows if r['same']])}")
     print(f"ours = llama.cpp base = llama.cpp spec: {totals([r for r in rows if r['same'] and r['spec_same']])}")
