@@ -47,15 +47,14 @@ def fitting_prompts(prompts: Iterable[Prompt], tokenizer, max_tokens: int, limit
 
 
 def eval_prompt_ids(cfg, tokenizer, prompt_file: str | None = None, limit: int | None = None) -> list[tuple[str, list[int]]]:
-    """(id, templated prompt ids) of eval's prompts: --prompts file, else eval.prompts (held-out ShareGPT or a
-    file); the first `limit` (default eval.max_prompts) that fit data_gen.max_prompt_tokens. Eval and
-    train's τ probe measure on these."""
-    if prompt_file:
-        prompts = load_prompt_file(Path(prompt_file))
-    elif cfg.eval.prompts == "heldout":
+    """(id, templated prompt ids) of eval's prompts: --prompts, else eval.prompts, each held-out ShareGPT
+    ("heldout") or a file; the first `limit` (default eval.max_prompts) that fit data_gen.max_prompt_tokens.
+    Eval and train's τ probe measure on these."""
+    source = prompt_file or cfg.eval.prompts
+    if source == "heldout":
         prompts = load_prompts(cfg.data_gen.prompts, "heldout", cfg.data_gen.heldout_percent)
     else:
-        prompts = load_prompt_file(Path(cfg.eval.prompts))
+        prompts = load_prompt_file(Path(source))
     out = [(p.id, ids) for p, ids in fitting_prompts(prompts, tokenizer, cfg.data_gen.max_prompt_tokens,
                                                      limit or cfg.eval.max_prompts, Counter())]
     if not out:

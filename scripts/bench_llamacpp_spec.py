@@ -105,7 +105,7 @@ def main() -> int:
     cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
     drafters = args.drafter.split(",")
     model, tok, drafter, stop = load_engine(cfg, drafters[0])  # our τ: of the first drafter
-    items = eval_prompt_ids(cfg, tok, None if args.prompts in (None, "heldout") else args.prompts)
+    items = eval_prompt_ids(cfg, tok, args.prompts)
     n = args.max_new_tokens
     cache = cache_root(cfg)
     tree = llamacpp_tree(cache)

@@ -87,3 +87,15 @@ def test_teacher_forced_accuracy_of_the_exported_drafter_agrees_with_training(ov
     with pytest.raises(UserError, match=r"other/hidden/manifest.json: aux_layers = \[0, 1, 2\] but this run expects"):
         script.teacher_forced_accuracy(dataclasses.replace(cfg, run_dir=str(tmp_path / "other")), run_dir / "drafter",
                                        steps)
+
+
+def test_prompts_heldout_means_the_held_out_prompts_whatever_eval_prompts_names(tiny_cfg):
+    """`--prompts heldout` (eval, the llama.cpp scripts) is the held-out ShareGPT set, as eval.prompts=heldout is,
+    also where eval.prompts names a file; a file given instead is read as before."""
+    tok = load_tokenizer(tiny_cfg)
+    mt_bench = str(ROOT / "tests/data/mt_bench_3.jsonl")
+    tiny_cfg.eval.prompts = mt_bench
+    from_file, held = eval_prompt_ids(tiny_cfg, tok), eval_prompt_ids(tiny_cfg, tok, "heldout")
+    tiny_cfg.eval.prompts = "heldout"
+    assert held and held == eval_prompt_ids(tiny_cfg, tok) and held != from_file
+    assert eval_prompt_ids(tiny_cfg, tok, mt_bench) == from_file
