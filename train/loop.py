@@ -191,7 +191,7 @@ def export(cfg: RunConfig, drafter: Eagle3Drafter, source, step: int, coverage: 
     compat = {key: source.compat[key] for key in ("target", "hidden_size", "vocab_size", "aux_layers")}
     counts = {"steps": step, "draft_vocab_coverage": coverage, "final_metrics": last,
               **({} if epoch is None else {"epoch": epoch})}
-    for d in (out,) if epoch else (out, train_dir):
+    for d in (out,) if epoch is not None else (out, train_dir):
         write_manifest(d, "train", cfg, compat, counts, source.inputs, settings, {"runtime": runtime})
     log.info("drafter exported to %s (final %s)", out, {k: round(v, 4) for k, v in last.items()})
 
