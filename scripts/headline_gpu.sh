@@ -147,7 +147,9 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     ev sharegpt_k7 eval.draft_steps=7
     ev sharegpt_k3 eval.draft_steps=3 --max-prompts ${EVAL_N:-12}
     rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
-    tail -n 3 $RUN/evals/*.log; [ $rc -eq 0 ] ;;
+    tail -n 3 $RUN/evals/*.log
+    # a failed or cut-off setting must not cost the phases after it (`results`, `pack`): the run still ends non-zero
+    [ $rc -eq 0 ] || { echo "== eval: a setting failed or ran past EVAL_S=${EVAL_S:-240} s (its log says which)"; FAILED=1; } ;;
   pack)  # what comes back (at most 8 files of 16 MiB): one tar.xz of the results, cut into 15 MB parts
     # here: cat headline.tar.xz.* | tar -xJ   (the drafter, train curves/metrics/manifest, the conversations, evals, logs)
     : "${OUT:?pack writes to \$OUT}"
@@ -163,3 +165,4 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
   *) echo "unknown phase $phase (pack-inputs stash setup restore train-step bench-first generate generate-for train train-for start wait bench bench-gen eval results pack)" >&2; exit 2 ;;
   esac
 done
+[ -z "${FAILED:-}" ]
