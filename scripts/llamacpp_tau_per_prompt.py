@@ -24,6 +24,7 @@ from core.config import load_config  # noqa: E402
 from core.decode import speculative_generate  # noqa: E402
 from core.target import cache_root, resolve_target  # noqa: E402
 from eval.llamacpp_server import complete, served_by_llamacpp, spec_counters  # noqa: E402
+from eval.report import common_prefix  # noqa: E402
 from eval.run import load_engine  # noqa: E402
 
 
@@ -74,10 +75,10 @@ def main() -> int:
                    "ours_rounds": len(drafted), "drafts": after["drafts"] - before["drafts"],
                    "accepted": after["accepted"] - before["accepted"]}
             rows.append(row)
-            first = next((i for i, (a, b) in enumerate(zip(ours.tokens, base_ids, strict=False)) if a != b),
-                         None if len(ours.tokens) == len(base_ids) else min(len(ours.tokens), len(base_ids)))
+            first = "-" if row["same"] else common_prefix(ours.tokens, base_ids)
+            tau_ours, tau_theirs = taus([row])
             print(f"| {pid} | {'yes' if row['same'] else 'no'} | {'yes' if row['spec_same'] else 'no'} | "
-                  f"{'-' if first is None else first} | {taus([row])[0]:.3f} | {taus([row])[1]:.3f} |", flush=True)
+                  f"{first} | {tau_ours:.3f} | {tau_theirs:.3f} |", flush=True)
     print(f"all prompts: {totals(rows)}")
     print(f"ours = llama.cpp base: {totals([r for r in rows if r['same']])}")
     print(f"ours = llama.cpp base = llama.cpp spec: {totals([r for r in rows if r['same'] and r['spec_same']])}")
