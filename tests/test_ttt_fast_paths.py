@@ -163,25 +163,39 @@ def test_ttt_loss_options_give_the_reference_loss_and_gradients(options):
 
 
 def test_pruned_steps_run_on_the_counted_rows_only(monkeypatch):
-    """prune_rows: steps 1..K-1 run their layer on the rows that they or a later step count, a shrinking
-    subset of B*T (what makes the CPU step cheaper), each row counted by some step >= k."""
+    """prune_rows: step k runs its layer's o_proj and MLP (steps >= 1: the whole layer) on the rows that it or a
+    later step counts, a shrinking subset of B*T (what makes the CPU step cheaper), each row counted by some
+    step >= k; step 0 still projects every row's keys and values (the prompt is attended to)."""
     from train import ttt_loss as module
 
     d, seen = drafter(), []
-    real = module.ttt_step_rows
+    real_rows, real_finish = module.ttt_step_rows, d.finish
 
-    def spy(drafter, hidden, *args):
-        seen.append((hidden.shape[0], args[-1]))
-        return real(drafter, hidden, *args)
+    def spy_rows(drafter, hidden, *args):
+        seen.append(("rows", hidden.shape[0], args[-1]))
+        return real_rows(drafter, hidden, *args)
 
-    monkeypatch.setattr(module, "ttt_step_rows", spy)
+    def spy_finish(attn, residual):
+        seen.append(("finish", residual.shape[1], None))
+        return real_finish(attn, residual)
+
+    monkeypatch.setattr(module, "ttt_step_rows", spy_rows)
+    monkeypatch.setattr(d, "finish", spy_finish)
+    first, real_attention = [], module.ttt_attention
+    monkeypatch.setattr(module, "ttt_attention", lambda q, *a: first.append(q.shape) or real_attention(q, *a))
     aux, ids, mask, teacher = inputs(2, 40, d)
     mask[:, :20] = 0  # a prompt: no step counts a row there
     TTTObjective(d, 4, 0.8, prune_rows=True)(aux, ids, mask, teacher)
     masks = [module.counted(mask, teacher[2], None, k) for k in range(4)]
-    assert [n for n, _ in seen] == sorted((n for n, _ in seen), reverse=True) and len(seen) == 3
-    for k, (n, (bi, ti)) in enumerate(seen, start=1):
-        assert 0 < n < 2 * 20  # not the prompt's rows
+    assert first[0][0] == 2 and first[0][2] == 40  # step 0's attention: every row's query, key and value
+    finishes = [n for kind, n, _ in seen if kind == "finish"]
+    steps = [(n, where) for kind, n, where in seen if kind == "rows"]
+    assert len(finishes) == 4 and len(steps) == 3
+    assert finishes == sorted(finishes, reverse=True) and finishes[1:] == [n for n, _ in steps]
+    # a step counts rows 15..37 at most: the last step reads x[t+5] (the answer starts at 20), the first x[t+2]
+    assert 0 < finishes[0] <= 2 * 23 and finishes[0] == int(torch.stack(masks).any(0).sum())
+    for k, (n, (bi, ti)) in enumerate(steps, start=1):
+        assert 0 < n <= 2 * 23
         assert torch.stack(masks[k:]).any(0)[bi, ti].all() and int(torch.stack(masks[k:]).any(0).sum()) == n
 
 

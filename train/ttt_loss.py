@@ -123,13 +123,25 @@ def _block_mask(t: int, steps: int, device: torch.device):
     return ttt_block_mask(t, steps, device)
 
 
+def ttt_first_step_rows(drafter: Eagle3Drafter, hidden, token_qkv, positions, keys, values, attention, block_mask,
+                        doc_ids, where):
+    """Step 0 with its o_proj and MLP on the rows where = (bi, ti) that some step counts: -> (h2 [B,T,H], zeros
+    elsewhere; k, v of every row). Exact for those rows: the other rows (a chat sample's prompt, about half
+    of it) are read only as keys and values, which every row still gets, and nothing reads their h2."""
+    q, k, v, residual = drafter.qkv(hidden, None, positions, token_qkv)
+    attn = ttt_attention(q, [*keys, k], [*values, v], attention, block_mask, doc_ids)
+    rows = attn.transpose(1, 2)[where].transpose(0, 1)[None]  # [1,nh,N,d]
+    h2 = drafter.finish(rows, residual[where][None])[0]
+    return scatter_rows(h2, where, *residual.shape[:2]), k, v
+
+
 def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, steps: int, attention: str, block_masks: tuple,
                doc_ids, checkpoint: bool, step_fn=ttt_step, active: tuple | None = None) -> list[torch.Tensor]:
     """The K steps, each on the previous one's output -> each step's norm(h2) [B,T,H], the lm_head's input:
     normed inside the unroll, so a compiled unroll fuses the norm (forward and backward) into its own kernels
-    instead of running it eagerly on the gathered rows. active: None, or per step k >= 1 the rows (bi, ti)
-    that step k or a later one counts: those steps run on those rows only (zeros elsewhere in their h2),
-    `ttt_step_rows`."""
+    instead of running it eagerly on the gathered rows. active: None, or per step k the rows (bi, ti)
+    that step k or a later one counts: steps >= 1 run on those rows only (zeros elsewhere in their h2),
+    `ttt_step_rows`; step 0 still gives every row's keys and values, `ttt_first_step_rows`."""
     hidden, keys, values, hiddens = aux, [], [], []
     b, t = input_ids.shape
     # step k reads token x[t+k+1] at row t (shift_left(input_ids, k + 1)): one projection of x[1:] padded by
@@ -137,17 +149,17 @@ def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, steps: int, at
     all_steps = drafter.token_qkv(F.pad(input_ids[:, 1:], (0, steps)))
     for k in range(steps):
         token_qkv, pos = tuple(y[:, k:k + t] for y in all_steps), positions + k
-        rows = () if active is None or k == 0 else (active[k],)
-        if rows:
+        rows, gathered = () if active is None else (active[k],), active is not None and k > 0
+        if gathered:
             hidden, token_qkv, pos = hidden[rows[0]], tuple(y[rows[0]] for y in token_qkv), pos[rows[0]]
         # tuples: a checkpoint's recompute must see the keys as they were, not the grown list
         args = (drafter, hidden, token_qkv, pos, tuple(keys), tuple(values), attention, block_masks[k], doc_ids, *rows)
-        fn = ttt_step_rows if rows else step_fn
+        fn = (ttt_step_rows if k else ttt_first_step_rows) if rows else step_fn
         if checkpoint:
             hidden, kk, vv = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
         else:
             hidden, kk, vv = fn(*args)
-        if rows:
+        if gathered:
             hidden = scatter_rows(hidden, rows[0], b, t)
         keys.append(kk)
         values.append(vv)
@@ -163,9 +175,9 @@ def counted(loss_mask: torch.Tensor, in_vocab: torch.Tensor, doc_ids: torch.Tens
 
 
 def later_rows(masks: list[torch.Tensor]) -> tuple:
-    """Per-step counted masks [B,T] -> per step k (None at 0) the rows (bi, ti) that step k or a later one counts."""
+    """Per-step counted masks [B,T] -> per step k the rows (bi, ti) that step k or a later one counts."""
     rows, union = [None] * len(masks), torch.zeros_like(masks[0])
-    for k in range(len(masks) - 1, 0, -1):
+    for k in range(len(masks) - 1, -1, -1):
         union = union | masks[k]
         rows[k] = union.nonzero(as_tuple=True)
     return tuple(rows)
@@ -184,7 +196,8 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
     casts once, not K times; the K gradients of each weight summed inside it).
     doc_ids, positions [B,T]: packed rows (train/packing.py): each token's document in its row (-1 on padding)
     and its position in that document. prune_rows (eager only: compiled graphs want static shapes): steps >= 1
-    run only on the rows that they or a later step count (`ttt_step_rows`); the same loss and gradients."""
+    run only on the rows that they or a later step count (`ttt_step_rows`), step 0's o_proj and MLP only on
+    the rows some step counts (`ttt_first_step_rows`); the same loss and gradients."""
     p, top, in_vocab = teacher
     b, t = input_ids.shape
     tp = padded_length(t) if attention == "flex" else t  # padded rows count nowhere (loss mask 0)
