@@ -87,6 +87,30 @@ def test_the_loop_ends_at_the_first_check_after_every_row_stopped(tiny, monkeypa
     assert len(steps) == 15  # no stop: every step but the last decodes
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_cpu_prefill_in_groups_of_rows_gives_the_one_pass_logits_and_tokens(tiny, monkeypatch, rows):
+    """Many prompts on a CPU are prefilled CPU_PREFILL_TOKENS at a time, each group into a scratch cache whose
+    K/V then fill the static one: the one pass's last logits, and the same greedy tokens and stops after."""
+    import core.decode
+
+    model, prompts = tiny
+    width = max(len(p) for p in prompts)
+    stop = stops_at(plain_generate(model, prompts, 12, []), {0: 2, 1: 5})
+    want = plain_generate(model, prompts, 12, stop)  # 4 prompts of < 100 tokens: one pass at 2048
+    ids, mask, pos = core.decode.left_padded(prompts, model.device)
+    with torch.inference_mode():
+        one = prefill(model, new_cache(model, width + 4), ids, mask, pos)[0]
+        monkeypatch.setattr(core.decode, "CPU_PREFILL_TOKENS", rows * width)
+        groups, real = [], core.decode._prefill_groups
+        monkeypatch.setattr(core.decode, "_prefill_groups", lambda *a: groups.append(a[5]) or real(*a))
+        grouped = prefill(model, new_cache(model, width + 4), ids, mask, pos)[0]
+    assert groups == [rows]
+    assert one.std() > 0.1  # logits of this scale: a row mixed up with another would be off by ~one.std()
+    torch.testing.assert_close(grouped, one, rtol=1e-4, atol=1e-4)
+    got = generate(model, prompts, 12, stop)
+    assert groups == [rows, rows] and [g.tokens for g in got] == want
+
+
 @pytest.mark.parametrize("check_every", [1, 4, 32])
 def test_sampling_draws_as_the_plain_loop_and_leaves_the_generator_where_it_would(tiny, check_every):
     model, prompts = tiny
