@@ -37,9 +37,11 @@ COMPACT = ["data_gen.num_samples=448", "train.epochs=4", "eval.max_new_tokens=64
 # MEDIUM on the AVX512-BF16 EPYC: 832 x 4 took 13:57 (τ 1.502); with data_gen decoding in bf16, 1024 x 5 took 15:07 (1.577)
 MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5", *COMPACT[2:]]
 # without native bf16 the fp32 rate decides: the AVX2 EPYC ran COMPACT in 15:13 in a slow hour and in 10:09 at
-# 184 GFLOP/s, and 704 samples in 13:27 at 184 (τ 1.481 vs 1.406 for 448; docs/PERFORMANCE.md runs 22-23)
+# 184 GFLOP/s, and 704 samples in 13:27 at 184 (τ 1.481 vs 1.406 for 448; docs/PERFORMANCE.md runs 22-23).
+# COMPACT_FAST: 1024 x 5 epochs gave τ 1.570 with K=3 TTT and 1.575 with K=2, whose steps cost ~3/4 of K=3's;
+# the prompt pass in row groups made data_gen ~16% faster (docs/PERFORMANCE.md, "1,024 samples on the AVX2 EPYC")
 FAST_FP32_GFLOPS = 170.0
-COMPACT_FAST = ["data_gen.num_samples=704", *COMPACT[1:]]
+COMPACT_FAST = ["data_gen.num_samples=1024", "train.epochs=5", "train.ttt_steps=2", *COMPACT[2:]]
 
 
 def fp32_matmul_gflops(seconds: float = 0.5) -> float:
