@@ -95,6 +95,11 @@ def ttt_attention(q, keys, values, attention, block_mask, doc_ids):
     return dense_ttt_attention(q, keys, values, doc_ids)
 
 
+def attention_rows(attn: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """[B,nh,T,d] -> its rows at where = (bi, ti) as [1,nh,N,d], the layout `Eagle3Drafter.finish` takes."""
+    return attn.transpose(1, 2)[where].transpose(0, 1)[None]
+
+
 def scatter_rows(x: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor], b: int, t: int) -> torch.Tensor:
     """[N,...] rows at where = (bi, ti) -> [B,T,...], zeros elsewhere (differentiable)."""
     return x.new_zeros(b, t, *x.shape[1:]).index_put(where, x)
@@ -114,8 +119,7 @@ def ttt_step_rows(drafter: Eagle3Drafter, hidden, token_qkv, positions, keys, va
 
     k, v = full(k), full(v)
     attn = ttt_attention(full(q), [*keys, k], [*values, v], attention, block_mask, doc_ids)
-    rows = attn.transpose(1, 2)[where].transpose(0, 1)[None]  # [1,nh,N,d]
-    return drafter.finish(rows, residual)[0], k, v
+    return drafter.finish(attention_rows(attn, where), residual)[0], k, v
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,8 +134,7 @@ def ttt_first_step_rows(drafter: Eagle3Drafter, hidden, token_qkv, positions, ke
     of it) are read only as keys and values, which every row still gets, and nothing reads their h2."""
     q, k, v, residual = drafter.qkv(hidden, None, positions, token_qkv)
     attn = ttt_attention(q, [*keys, k], [*values, v], attention, block_mask, doc_ids)
-    rows = attn.transpose(1, 2)[where].transpose(0, 1)[None]  # [1,nh,N,d]
-    h2 = drafter.finish(rows, residual[where][None])[0]
+    h2 = drafter.finish(attention_rows(attn, where), residual[where][None])[0]
     return scatter_rows(h2, where, *residual.shape[:2]), k, v
 
 
@@ -149,7 +152,8 @@ def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, steps: int, at
     all_steps = drafter.token_qkv(F.pad(input_ids[:, 1:], (0, steps)))
     for k in range(steps):
         token_qkv, pos = tuple(y[:, k:k + t] for y in all_steps), positions + k
-        rows, gathered = () if active is None else (active[k],), active is not None and k > 0
+        rows = () if active is None else (active[k],)
+        gathered = bool(rows) and k > 0  # steps >= 1 take only those rows in; step 0 takes every row
         if gathered:
             hidden, token_qkv, pos = hidden[rows[0]], tuple(y[rows[0]] for y in token_qkv), pos[rows[0]]
         # tuples: a checkpoint's recompute must see the keys as they were, not the grown list
