@@ -7,7 +7,7 @@ interpreter saves ~4 s of imports per stage on a 2-core machine).
 
 Sizes follow the machine: the config's (1216 samples, 5 epochs) where they fit ~20 min, on a GPU or
 a CPU with native bf16 and fast fp32 matmul (an AVX-512 Xeon here: 13-19 min); MEDIUM on a CPU with
-native bf16 and slower fp32 (an AVX512-BF16 EPYC here: MEDIUM in 13-15 min, full sizes ~16 min); COMPACT_FAST or
+native bf16 and slower fp32 (an AVX512-BF16 EPYC here: MEDIUM in 12-15 min, full sizes ~16 min); COMPACT_FAST or
 COMPACT without native bf16, by its fp32 rate (a 2-core AVX2 EPYC here ran the full sizes in 38:42). key=value
 arguments override any.
 """
@@ -36,12 +36,13 @@ FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores: ~290 on the AVX-512 Xeon, 1
 COMPACT = ["data_gen.num_samples=448", "train.epochs=4", "eval.max_new_tokens=64", "eval.max_prompts=12"]
 # MEDIUM on the AVX512-BF16 EPYC: 832 x 4 took 13:57 (τ 1.502); with data_gen decoding in bf16, 1024 x 5 took 15:07 (1.577)
 MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5", *COMPACT[2:]]
-# without native bf16 the fp32 rate decides: the AVX2 EPYC ran COMPACT in 15:13 in a slow hour and in 10:09 at
-# 184 GFLOP/s, and 704 samples in 13:27 at 184 (τ 1.481 vs 1.406 for 448; docs/PERFORMANCE.md runs 22-23).
-# COMPACT_FAST: 1024 x 5 epochs gave τ 1.570 with K=3 TTT and 1.575 with K=2, whose steps cost ~3/4 of K=3's;
-# the prompt pass in row groups made data_gen ~16% faster (docs/PERFORMANCE.md, "1,024 samples on the AVX2 EPYC")
-FAST_FP32_GFLOPS = 170.0
-COMPACT_FAST = ["data_gen.num_samples=1024", "train.epochs=5", "train.ttt_steps=2", *COMPACT[2:]]
+# without native bf16 the fp32 rate decides: the AVX2 EPYC ran COMPACT in 15:13 at ~125 GFLOP/s and in 10:09 at
+# 184 (τ 1.41-1.43; docs/PERFORMANCE.md runs 21-22). COMPACT_FAST, K=2 TTT (its steps cost ~3/4 of K=3's): 768 x 6
+# epochs read τ 1.570 / 1.550 (seeds 0 / 1) where 1,024 x 5 read 1.569 / 1.551, for ~4/5 of the CPU time; from
+# run 28's per-sample costs at 133 GFLOP/s (1,024 x 5 in 22:00) it takes ~18.5 min there, ~19 at 130: see
+# the section on fewer conversations and one more epoch in docs/PERFORMANCE.md
+FAST_FP32_GFLOPS = 130.0
+COMPACT_FAST = ["data_gen.num_samples=768", "train.epochs=6", "train.ttt_steps=2", *COMPACT[2:]]
 
 
 def fp32_matmul_gflops(seconds: float = 0.5) -> float:

@@ -15,7 +15,7 @@ spec.loader.exec_module(demo)
 
 
 @pytest.mark.parametrize("gflops, precision, expected", [(290.0, "bf16", "FULL"), (125.0, "no", "COMPACT"),
-                                                          (184.0, "no", "COMPACT_FAST"), (290.0, "no", "COMPACT_FAST"),
+                                                          (133.0, "no", "COMPACT_FAST"), (290.0, "no", "COMPACT_FAST"),
                                                           (103.0, "bf16", "MEDIUM")])
 def test_sizes_follow_the_machine(monkeypatch, capsys, gflops, precision, expected):
     monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)
@@ -29,7 +29,7 @@ def test_sizes_follow_the_machine(monkeypatch, capsys, gflops, precision, expect
     small = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", [*sizes, "train.epochs=7"])
     work = small.data_gen.num_samples * small.eval.max_new_tokens * small.eval.max_prompts
     assert (work < full.data_gen.num_samples * full.eval.max_new_tokens * full.eval.max_prompts) == compact
-    assert small.data_gen.num_samples == {"FULL": 1216, "MEDIUM": 1024, "COMPACT_FAST": 1024, "COMPACT": 448}[expected]
+    assert small.data_gen.num_samples == {"FULL": 1216, "MEDIUM": 1024, "COMPACT_FAST": 768, "COMPACT": 448}[expected]
     assert small.train.epochs == 7  # the user's override wins
 
 
