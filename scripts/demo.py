@@ -39,7 +39,7 @@ MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5", *COMPACT[2:]]
 # without native bf16 the fp32 rate decides: the AVX2 EPYC ran COMPACT in 15:13 at ~125 GFLOP/s and in 10:09 at
 # 184 (τ 1.41-1.43; docs/PERFORMANCE.md runs 21-22). COMPACT_FAST, K=2 TTT (its steps cost ~3/4 of K=3's): 768 x 6
 # epochs read τ 1.570 / 1.550 (seeds 0 / 1) where 1,024 x 5 read 1.569 / 1.551, for ~4/5 of the CPU time; from
-# run 28's per-sample costs at 133 GFLOP/s (1,024 x 5 in 22:00) it takes ~18.5 min there, ~19 at 130: see
+# run 28's per-sample costs at 133 GFLOP/s (1,024 x 5 in 22:00) it takes ~19 min there, ~19.3 at 130: see
 # the section on fewer conversations and one more epoch in docs/PERFORMANCE.md
 FAST_FP32_GFLOPS = 130.0
 COMPACT_FAST = ["data_gen.num_samples=768", "train.epochs=6", "train.ttt_steps=2", *COMPACT[2:]]
