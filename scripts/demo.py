@@ -33,16 +33,19 @@ from train.loop import main as train_main  # noqa: E402
 
 STAGES = {"data_gen": data_gen_main, "extract": extract_main, "train": train_main, "eval": eval_main}
 FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores: ~290 on the AVX-512 Xeon, 103-174 on the AVX512-BF16 EPYC
-COMPACT = ["data_gen.num_samples=448", "train.epochs=4", "eval.max_new_tokens=64", "eval.max_prompts=12"]
-# MEDIUM on the AVX512-BF16 EPYC: 832 x 4 took 13:57 (τ 1.502); with data_gen decoding in bf16, 1024 x 5 took 15:07 (1.577)
-MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5", *COMPACT[2:]]
-# without native bf16 the fp32 rate decides: the AVX2 EPYC ran COMPACT in 15:13 at ~125 GFLOP/s and in 10:09 at
-# 184 (τ 1.41-1.43; docs/PERFORMANCE.md runs 21-22). COMPACT_FAST, K=2 TTT (its steps cost ~3/4 of K=3's): 768 x 6
-# epochs read τ 1.570 / 1.550 (seeds 0 / 1) where 1,024 x 5 read 1.569 / 1.551, for ~4/5 of the CPU time; from
-# run 28's per-sample costs at 133 GFLOP/s (1,024 x 5 in 22:00) it takes ~19 min there, ~19.3 at 130: see
-# the section on fewer conversations and one more epoch in docs/PERFORMANCE.md
+EVAL_12X64 = ["eval.max_new_tokens=64", "eval.max_prompts=12"]
+# MEDIUM on the AVX512-BF16 EPYC: 832 x 4 took 13:57 (τ 1.502); with data_gen decoding in bf16, 1024 x 5 took
+# 12:15 to 15:07 at τ 1.577 to 1.605
+MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5", *EVAL_12X64]
+# without native bf16 the fp32 rate decides, K=2 TTT (its steps cost ~3/4 of K=3's) and 6 epochs in both tiers.
+# COMPACT: 448 x 6 at K=2 read τ 1.434 where the former 448 x 4 at K=3 read 1.405 (the AVX2 EPYC ran that in 15:13 at
+# ~125 GFLOP/s and 10:09 at 184) for ~5% more training. COMPACT_FAST: 768 x 6 read τ 1.570 / 1.550 (seeds 0 / 1)
+# where 1,024 x 5 read 1.569 / 1.551, for ~4/5 of the CPU time; from run 28's per-sample costs at 133 GFLOP/s
+# (1,024 x 5 in 22:00) it takes ~19 min there, ~19.3 at 130: see the section on fewer conversations and one more
+# epoch in docs/PERFORMANCE.md
+COMPACT = ["data_gen.num_samples=448", "train.epochs=6", "train.ttt_steps=2", *EVAL_12X64]
 FAST_FP32_GFLOPS = 130.0
-COMPACT_FAST = ["data_gen.num_samples=768", "train.epochs=6", "train.ttt_steps=2", *COMPACT[2:]]
+COMPACT_FAST = ["data_gen.num_samples=768", *COMPACT[1:]]
 
 
 def fp32_matmul_gflops(seconds: float = 0.5) -> float:
