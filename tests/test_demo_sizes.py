@@ -31,6 +31,7 @@ def test_sizes_follow_the_machine(monkeypatch, capsys, gflops, precision, expect
     assert (work < full.data_gen.num_samples * full.eval.max_new_tokens * full.eval.max_prompts) == compact
     assert small.data_gen.num_samples == {"FULL": 1216, "MEDIUM": 1024, "COMPACT_FAST": 768, "COMPACT": 448}[expected]
     assert small.train.epochs == 7  # the user's override wins
+    assert small.train.ttt_steps == (2 if precision == "no" else 3)  # fp32 tiers: K=2 buys ~1/4 of training
 
 
 def test_the_matmul_rate_is_measured_over_the_whole_time(monkeypatch):
