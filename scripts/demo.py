@@ -33,17 +33,16 @@ from train.loop import main as train_main  # noqa: E402
 
 STAGES = {"data_gen": data_gen_main, "extract": extract_main, "train": train_main, "eval": eval_main}
 FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores: ~290 on the AVX-512 Xeon, 103-174 on the AVX512-BF16 EPYC
-EVAL_12X64 = ["eval.max_new_tokens=64", "eval.max_prompts=12"]
 # MEDIUM on the AVX512-BF16 EPYC: 832 x 4 took 13:57 (τ 1.502); with data_gen decoding in bf16, 1024 x 5 took
 # 12:15 to 15:07 at τ 1.577 to 1.605
-MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5", *EVAL_12X64]
+MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5"]
 # without native bf16 the fp32 rate decides, K=2 TTT (its steps cost ~3/4 of K=3's) and 6 epochs in both tiers.
 # COMPACT: 448 x 6 at K=2 read τ 1.434 where the former 448 x 4 at K=3 read 1.405 (the AVX2 EPYC ran that in 15:13 at
 # ~125 GFLOP/s and 10:09 at 184) for ~5% more training. COMPACT_FAST: 768 x 6 read τ 1.570 / 1.550 (seeds 0 / 1)
 # where 1,024 x 5 read 1.569 / 1.551, for ~4/5 of the CPU time; from run 28's per-sample costs at 133 GFLOP/s
 # (1,024 x 5 in 22:00) it takes ~19 min there, ~19.3 at 130: see the section on fewer conversations and one more
 # epoch in docs/PERFORMANCE.md
-COMPACT = ["data_gen.num_samples=448", "train.epochs=6", "train.ttt_steps=2", *EVAL_12X64]
+COMPACT = ["data_gen.num_samples=448", "train.epochs=6", "train.ttt_steps=2"]
 FAST_FP32_GFLOPS = 130.0
 COMPACT_FAST = ["data_gen.num_samples=768", *COMPACT[1:]]
 
@@ -73,8 +72,8 @@ def machine_sizes() -> list[str]:
     sizes = MEDIUM if bf16 else COMPACT_FAST if gflops >= FAST_FP32_GFLOPS else COMPACT
     print(f"demo: this CPU runs fp32 matmul at {gflops:.0f} GFLOP/s{' (native bf16)' if bf16 else ' and has no native bf16'}: "
           f"smaller sizes ({' '.join(sizes)}) keep the demo under 20 min; the config's full sizes take ~16 min (native "
-          "bf16) to ~39 min (fp32 only) on a 2-core CPU: make demo ARGS=\"data_gen.num_samples=1216 train.epochs=5 eval.max_new_tokens=96 "
-          "eval.max_prompts=16\"", flush=True)
+          "bf16) to ~39 min (fp32 only) on a 2-core CPU: make demo ARGS=\"data_gen.num_samples=1216 train.epochs=5 "
+          "train.ttt_steps=3\"", flush=True)
     return sizes
 
 
