@@ -7,7 +7,7 @@ interpreter saves ~4 s of imports per stage on a 2-core machine).
 
 Sizes follow the machine: the config's (1216 samples, 5 epochs) where they fit ~20 min, on a GPU or
 a CPU with native bf16 and fast fp32 matmul (an AVX-512 Xeon here: 13-19 min); MEDIUM on a CPU with
-native bf16 and slower fp32 (an AVX512-BF16 EPYC here: MEDIUM in 12-15 min, full sizes ~16 min); COMPACT_FAST or
+native bf16 and slower fp32 (an AVX512-BF16 EPYC here: MEDIUM in 12-15 min, full sizes 13:52); COMPACT_FAST or
 COMPACT without native bf16, by its fp32 rate (a 2-core AVX2 EPYC here ran the full sizes in 38:42). key=value
 arguments override any.
 """
@@ -71,7 +71,7 @@ def machine_sizes() -> list[str]:
         return []
     sizes = MEDIUM if bf16 else COMPACT_FAST if gflops >= FAST_FP32_GFLOPS else COMPACT
     print(f"demo: this CPU runs fp32 matmul at {gflops:.0f} GFLOP/s{' (native bf16)' if bf16 else ' and has no native bf16'}: "
-          f"smaller sizes ({' '.join(sizes)}) keep the demo under 20 min; the config's full sizes take ~16 min (native "
+          f"smaller sizes ({' '.join(sizes)}) keep the demo under 20 min; the config's full sizes take ~14 min (native "
           "bf16) to ~39 min (fp32 only) on a 2-core CPU: make demo ARGS=\"data_gen.num_samples=1216 train.epochs=5 "
           "train.ttt_steps=3\"", flush=True)
     return sizes
