@@ -30,7 +30,7 @@ train/ttt_loss.py) and decoding (KV cache, `forward` below) attend differently.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -40,126 +40,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from core.atomic_io import atomic_write, atomic_write_json
-from core.aux_layers import aux_layers_from_sglang, sglang_layer_ids
+from core.drafter_config import DrafterConfig
 from core.errors import UserError
 
 # SGLang and eval take the embedding from the target; aux_scale is folded into fc.weight.
 EXPORT_EXCLUDE = ("embed_tokens.weight", "aux_scale")
-
-
-@dataclass
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layers: list[int] = field(default_factory=list)  # input-of-layer convention
-    target_model_type: str = "llama"
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    hidden_act: str = "silu"
-    norm_before_fc: bool = False  # EAGLE-3.1: input_norm over the [3Ht] aux before fc
-
-    @classmethod
-    def for_target(cls, tc: dict, aux_layers: list[int], draft_vocab_size: int,
-                   norm_before_fc: bool = False) -> DrafterConfig:
-        """The drafter train builds for a target: one Llama layer of the target's width, heads and MLP
-        (tc = core.target.read_target_config: a MoE target's `intermediate_size` is its dense MLP's)."""
-        hidden, heads = tc["hidden_size"], tc["num_attention_heads"]
-        rope = tc.get("rope_parameters") or {}
-        return cls(
-            hidden_size=hidden, intermediate_size=tc["intermediate_size"], num_attention_heads=heads,
-            num_key_value_heads=tc.get("num_key_value_heads") or heads,
-            head_dim=tc.get("head_dim") or hidden // heads,  # MLA targets (Kimi) have none: 7168 / 64 = 112
-            vocab_size=tc["vocab_size"], draft_vocab_size=draft_vocab_size, target_hidden_size=hidden,
-            aux_layers=list(aux_layers), target_model_type=tc["model_type"],
-            rms_norm_eps=tc.get("rms_norm_eps", 1e-5),
-            rope_theta=float(rope.get("rope_theta") or tc.get("rope_theta") or 10000.0),
-            max_position_embeddings=tc.get("max_position_embeddings", 4096), hidden_act=tc.get("hidden_act", "silu"),
-            norm_before_fc=norm_before_fc)
-
-    def to_sglang(self) -> dict:
-        """config.json SGLang (LlamaForCausalLMEagle3) and vLLM read."""
-        ids = sglang_layer_ids(self.aux_layers, self.target_model_type)
-        cfg = {
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "hidden_act": self.hidden_act,
-            "rope_theta": self.rope_theta, "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
-            "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-            # llama.cpp's converter reads only this top-level key and uses it as input-of-layer ids (our
-            # convention); SGLang captures from eagle_config and reads this key only to count layers
-            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
-            # ours, for tools that read the input-of-layer convention (vLLM speculators: unshifted)
-            "eagle3_training": {"aux_layers_input_convention": self.aux_layers,
-                                "target_model_type": self.target_model_type},
-        }
-        if self.target_hidden_size != self.hidden_size:
-            cfg["target_hidden_size"] = self.target_hidden_size
-        if self.norm_before_fc:  # top level: SGLang reads it there (or in eagle_config), llama.cpp only there
-            cfg["norm_before_fc"] = True
-        return cfg
-
-    @classmethod
-    def from_sglang(cls, cfg: dict, target_model_type: str, target_num_layers: int) -> DrafterConfig:
-        if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
-            raise UserError(f"drafter config.json: architectures = {cfg.get('architectures')}, "
-                             "expected ['LlamaForCausalLMEagle3']")
-        if cfg.get("tie_word_embeddings"):
-            raise UserError("drafter config.json: tie_word_embeddings must be false")
-        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        top = cfg.get("eagle_aux_hidden_state_layer_ids")  # input-of-layer ids (llama.cpp, vLLM)
-        aux_layers = aux_layers_from_sglang(ids, target_model_type, target_num_layers) if ids or not top else top
-        if top and list(top) != aux_layers:
-            raise UserError(f"drafter config.json: eagle_aux_hidden_state_layer_ids = {top} (input of layer) but "
-                             f"eagle_config's SGLang ids {ids} capture {aux_layers} on a {target_model_type} "
-                             "target: the engines would feed the drafter different layers")
-        hidden = cfg["hidden_size"]
-        rope = cfg.get("rope_parameters") or {}
-        norm_before_fc = read_norm_before_fc(cfg)
-        return cls(
-            hidden_size=hidden, intermediate_size=cfg["intermediate_size"],
-            num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-            head_dim=cfg.get("head_dim") or hidden // cfg["num_attention_heads"],
-            vocab_size=cfg["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
-            target_hidden_size=cfg.get("target_hidden_size", hidden),
-            aux_layers=aux_layers,
-            target_model_type=target_model_type, rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            hidden_act=cfg.get("hidden_act", "silu"), norm_before_fc=norm_before_fc)
-
-
-# Variants SGLang 0.5.23 switches on from config.json that our drafter does not implement: loading such a
-# drafter into our engine would silently evaluate another model, so it is refused.
-_UNSUPPORTED_FLAGS = ("fc_norm", "use_aux_norm", "norm_output", "norm_before_residual")
-
-
-def read_norm_before_fc(cfg: dict) -> bool:
-    """norm_before_fc as the engines read it: SGLang takes eagle_config's key, else the top-level one;
-    llama.cpp's converter only the top-level one. A config where they disagree means two models."""
-    unsupported = [k for k in _UNSUPPORTED_FLAGS if cfg.get(k)]
-    if unsupported:
-        raise UserError(f"drafter config.json sets {unsupported}: an EAGLE-3 variant this project's drafter "
-                        "does not implement (only norm_before_fc is)")
-    nested = (cfg.get("eagle_config") or {}).get("norm_before_fc")
-    top = cfg.get("norm_before_fc")
-    if nested is not None and bool(nested) != bool(top):
-        raise UserError(f"drafter config.json: eagle_config.norm_before_fc = {nested} but the top-level "
-                        f"norm_before_fc = {top}: SGLang reads the first, llama.cpp only the second, so the "
-                        "engines would serve different models; set both to the same value")
-    return bool(top)
 
 
 class RMSNorm(nn.Module):

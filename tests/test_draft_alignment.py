@@ -10,8 +10,9 @@ import torch
 
 from core.chat import prompt_ids
 from core.config import load_config
-from core.decode import generate, speculative_generate
+from core.decode import generate
 from core.hidden_capture import extract_batch
+from core.speculative import speculative_generate
 from core.target import load_target, load_target_embeddings
 from tests.conftest import ROOT
 from train.draft_vocab import build_draft_vocab

@@ -150,10 +150,10 @@ def test_p_min_reaches_llamacpp_and_keeps_its_outputs(served):
 
 def test_llamacpp_stops_drafting_where_our_engine_stops_at_p_min(served):
     """eval.draft_p_min in both engines: llama.cpp ends a chain at a draft whose probability (softmax over its
-    top 10) is below p_min, ours by the same rule (core.decode.draft_confidence). Per prompt whose greedy text
+    top 10) is below p_min, ours by the same rule (core.speculative.draft_confidence). Per prompt whose greedy text
     both engines share, the drafts llama.cpp verified and accepted (timings.draft_n, draft_n_accepted) must
     equal ours on >= 90% of them, and p_min must have stopped chains in both (so the rule is exercised)."""
-    from core.decode import speculative_generate
+    from core.speculative import speculative_generate
     from eval.run import load_engine
 
     cfg, run_dir, prompts, report = served

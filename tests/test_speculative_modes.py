@@ -11,12 +11,13 @@ from collections import Counter
 import pytest
 import torch
 
-import core.decode as decode
+import core.speculative as speculative
 from core.chat import eval_prompt_ids
-from core.decode import generate, speculative_generate
+from core.decode import generate
 from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
 from core.errors import UserError
+from core.speculative import speculative_generate
 from core.target import end_of_turn_ids, load_target, load_target_embeddings, load_tokenizer, target_info
 from tests.conftest import ROOT, run_stage
 
@@ -54,8 +55,8 @@ def test_a_tree_cannot_promise_more_nodes_than_it_grows():
 def test_tree_at_t0_writes_the_greedy_output(engine, greedy_outputs, spec, monkeypatch):
     model, drafter, trained, heldout, stop = engine
     moved = []
-    compact = decode._compact
-    monkeypatch.setattr(decode, "_compact", lambda c, slots, start: (moved.append(slots != list(
+    compact = speculative._compact
+    monkeypatch.setattr(speculative, "_compact", lambda c, slots, start: (moved.append(slots != list(
         range(start, start + len(slots)))), compact(c, slots, start)))
     lengths = []
     for i, (p, greedy) in enumerate(zip(trained + heldout, greedy_outputs, strict=True)):

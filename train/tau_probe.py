@@ -14,8 +14,8 @@ import torch
 from core.chat import eval_prompt_ids
 from core.config import RunConfig
 from core.cpu_linear import split_cpu_linears
-from core.decode import acceptance_length, speculative_generate
 from core.drafter import Eagle3Drafter
+from core.speculative import acceptance_length, speculative_generate
 from core.target import end_of_turn_ids, load_target, load_tokenizer
 
 
