@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -41,7 +40,8 @@ from data_gen.chat_tokenize import TemplateError, template_renders_reasoning, to
 from data_gen.conversation import Regeneration, regenerations, request_ids, to_rows
 from data_gen.dataset_backend import check_answers, run_dataset
 from data_gen.hf_backend import HFBackend
-from data_gen.openai_client import ChatClient, Reply, RequestRejected, RetriesExhausted
+from data_gen.openai_backend import openai_user_turns, run_openai
+from data_gen.openai_client import Reply
 from data_gen.self_prompts import MAX_TURN_TOKENS, self_prompts, user_header
 
 log = logging.getLogger("data_gen")
@@ -145,45 +145,6 @@ def run_hf(todo: list[Regeneration], backend: HFBackend, tok, cfg: RunConfig, si
         return answer_parts(parts, dg.batch_size, advance, backend.answer, commit, stop.is_set)
 
 
-def chat_client(cfg: RunConfig) -> ChatClient:
-    dg = cfg.data_gen
-    api_key = os.environ.get(dg.api_key_env) if dg.api_key_env else None
-    params = {"max_tokens": dg.max_new_tokens, "temperature": dg.temperature, "top_p": dg.top_p, "n": 1}
-    if dg.stop:
-        params["stop"] = dg.stop
-    if dg.chat_template_kwargs:  # SGLang and vLLM pass these to the template (e.g. enable_thinking)
-        params["chat_template_kwargs"] = dg.chat_template_kwargs
-    return ChatClient(dg.base_url, dg.model_name or cfg.target.model, api_key, timeout=dg.request_timeout,
-                      max_retries=dg.max_retries, backoff_base=dg.backoff_base, backoff_max=dg.backoff_max,
-                      params=params, seed=cfg.seed)
-
-
-def openai_user_turns(cfg: RunConfig, header: str, index: int) -> list[str | None]:
-    """Batch `index` of data_gen.self_prompts from a server: `concurrency` raw-text completions of the user
-    header, each with its own seed; the text of each the server ended itself ("stop"), else None."""
-    dg = cfg.data_gen
-
-    async def batch() -> list[Reply | None]:
-        client = chat_client(cfg)
-
-        async def one(row: int) -> Reply | None:
-            try:
-                return await client.complete_text(header, (cfg.seed * 1_000_003 + index) * dg.concurrency + row,
-                                                  max_tokens=MAX_TURN_TOKENS, temperature=dg.self_prompt_temperature)
-            except RequestRejected:
-                return None
-        try:
-            return await asyncio.gather(*(one(row) for row in range(dg.concurrency)))
-        finally:
-            await client.aclose()
-    try:
-        replies = asyncio.run(batch())
-    except RetriesExhausted as e:
-        raise UserError(f"data_gen.self_prompts: the server kept failing ({e}); the batches sampled so far are kept "
-                        "in self_prompts.jsonl, so rerunning the same command continues") from None
-    return [r.content if r is not None and r.finish_reason == "stop" else None for r in replies]
-
-
 def target_written_prompts(cfg: RunConfig, tok, out: Path, backend: HFBackend | None):
     """data_gen.self_prompts user turns (data_gen/self_prompts.py), sampled by the in-process target (backend) or
     by the server (openai), batch after batch, kept in out/self_prompts.jsonl."""
@@ -196,49 +157,6 @@ def target_written_prompts(cfg: RunConfig, tok, out: Path, backend: HFBackend | 
             return backend.user_turns(ids, rows, MAX_TURN_TOKENS, dg.self_prompt_temperature, cfg.seed * 1_000_003 + i)
         return openai_user_turns(cfg, header, i)
     return self_prompts(out / "self_prompts.jsonl", dg.self_prompts, sample, rows, set(tok.get_added_vocab()))
-
-
-async def run_openai(todo: list[Regeneration], tok, cfg: RunConfig, sink: PartSink, bar) -> Counter:
-    """A pool of `concurrency` workers, each driving one conversation at a time through all its turns."""
-    dg = cfg.data_gen
-    client = chat_client(cfg)
-    log.info("openai backend: %s, model %r, concurrency %d, API key %s", dg.base_url, client.model, dg.concurrency,
-             f"from ${dg.api_key_env}" if "Authorization" in client.client.headers else "none")
-    failed: Counter[str] = Counter()
-    queue = iter(todo)
-    has_reasoning = backend_template_reasoning(tok, cfg)
-
-    async def worker() -> None:
-        for conv in queue:  # one shared iterator: each conversation goes to exactly one worker
-            try:
-                while request_ids(conv, tok, dg) is not None:
-                    try:
-                        reply = await client.complete(conv.history, conv.seed)
-                    except RequestRejected as e:
-                        failed["rejected"] += 1
-                        log.warning("conversation %s: turn rejected by the server (%s); kept earlier turns", conv.id, e)
-                        conv.end("rejected")
-                        break
-                    conv.add_reply(reply, dg.reasoning, has_reasoning)
-            except RetriesExhausted as e:
-                failed["retries_exhausted"] += 1
-                log.warning("conversation %s not written (%s); a rerun retries it", conv.id, e)
-                bar.update(1)
-                continue
-            sink.add(conv)
-            bar.update(1)
-            bar.set_postfix(samples=sink.stats["samples"], retried=sum(client.errors.values()),
-                            failed=sum(failed.values()), refresh=False)
-
-    try:
-        async with asyncio.TaskGroup() as group:
-            for _ in range(max(1, min(dg.concurrency, len(todo)))):
-                group.create_task(worker())
-    except ExceptionGroup as eg:  # e.g. ServerMisconfigured: report it as itself, not as a group
-        raise eg.exceptions[0] from None
-    finally:
-        await client.aclose()
-    return Counter({"transient_" + k: v for k, v in client.errors.items()}) + failed
 
 
 def backend_template_reasoning(tok, cfg: RunConfig) -> bool:
@@ -330,7 +248,7 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
         elif dg.backend == "dataset":
             run_dataset(todo, tok, dg, backend_template_reasoning(tok, cfg), sink, bar)
         else:
-            failed = asyncio.run(run_openai(todo, tok, cfg, sink, bar))
+            failed = asyncio.run(run_openai(todo, tok, cfg, sink, bar, backend_template_reasoning(tok, cfg)))
     finally:
         sink.flush()  # whatever finished is committed, even when the run is stopped by an error
         bar.close()
