@@ -88,8 +88,28 @@ def test_train_builds_the_master_weight_optimizer_for_bf16_weights():
     from train.loop import make_optimizer
 
     w = [torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)]
-    assert isinstance(make_optimizer(w, TrainConfig(bf16_weights=True)), MasterWeightAdamW)
-    assert type(make_optimizer(w, TrainConfig())) is torch.optim.AdamW
+    masters = make_optimizer(w, TrainConfig(bf16_weights=True))
+    assert isinstance(masters, MasterWeightAdamW) and masters.inner.defaults["fused"]
+    plain = make_optimizer([torch.zeros(3, requires_grad=True)], TrainConfig())
+    assert type(plain) is torch.optim.AdamW and plain.defaults["fused"]  # one kernel, not the foreach loop
+
+
+def test_fused_adamw_steps_as_the_foreach_one():
+    """The fused optimizer train builds takes the steps the default (foreach) AdamW takes, to rounding."""
+    from core.config import TrainConfig
+    from train.loop import make_optimizer
+
+    torch.manual_seed(0)
+    start, grads = torch.randn(64, 32), [torch.randn(64, 32) for _ in range(5)]
+    a, b = start.clone().requires_grad_(), start.clone().requires_grad_()
+    fused = make_optimizer([a], TrainConfig(weight_decay=0.1))
+    plain = torch.optim.AdamW([b], lr=fused.defaults["lr"], betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    for g in grads:
+        for w, opt in ((a, fused), (b, plain)):
+            w.grad = g.clone()
+            opt.step()
+    assert not torch.equal(a, start)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_weights_to_bf16_leaves_buffers():

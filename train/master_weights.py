@@ -23,10 +23,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     torch's AdamW on the masters and writes the masters back rounded to bf16. state_dict carries the
     masters, so a resumed run continues from the fp32 values, not the rounded weights."""
 
-    def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float):
+    def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float, fused: bool | None = None):
         params = list(params)
         self.masters = [p.detach().float().clone() for p in params]
-        self.inner = torch.optim.AdamW(self.masters, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.inner = torch.optim.AdamW(self.masters, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
         super().__init__(params, dict(self.inner.defaults))
 
     @torch.no_grad()
