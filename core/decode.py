@@ -126,6 +126,7 @@ def _prefill_groups(model, cache: StaticCache, ids, mask, pos, rows: int, bf16: 
 
 
 def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Each row's next token from its logits [..., V]: the argmax at T <= 0, else a draw from softmax(logits / T)."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
