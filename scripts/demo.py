@@ -32,7 +32,7 @@ from extract.run import main as extract_main  # noqa: E402
 from train.loop import main as train_main  # noqa: E402
 
 STAGES = {"data_gen": data_gen_main, "extract": extract_main, "train": train_main, "eval": eval_main}
-FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores: ~290 on the AVX-512 Xeon, 103-174 on the AVX512-BF16 EPYC
+FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores: ~290 on the AVX-512 Xeon, 103-205 on the AVX512-BF16 EPYC
 # MEDIUM on the AVX512-BF16 EPYC: 832 x 4 took 13:57 (τ 1.502); with data_gen decoding in bf16, 1024 x 5 took
 # 12:15 to 15:07 at τ 1.577 to 1.605
 MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5"]
