@@ -43,6 +43,13 @@ class Mutant:
     new: str
     tests: tuple[str, ...]
 
+    def apply(self, source: str) -> str:
+        """`source` (the text of `file`) with the bug put in: the replacement must match exactly once."""
+        if source.count(self.old) != 1:
+            raise ValueError(f"mutant {self.name}: {self.file} holds {source.count(self.old)} copies of {self.old!r}, "
+                             "need exactly 1")
+        return source.replace(self.old, self.new)
+
 
 ALIGN = ("tests/test_draft_alignment.py",)
 RESUME = ("tests/test_resume.py",)
@@ -300,10 +307,10 @@ def run_mutant(m: Mutant) -> tuple[bool, int, str, float]:
         tree = Path(tmp)
         copy_tree(tree)
         path = tree / m.file
-        src = path.read_text()
-        if src.count(m.old) != 1:
-            raise SystemExit(f"mutant {m.name}: {m.file} holds {src.count(m.old)} copies of {m.old!r}, need exactly 1")
-        path.write_text(src.replace(m.old, m.new))
+        try:
+            path.write_text(m.apply(path.read_text()))
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         t = time.time()
         rc, detail = pytest(tree, m.tests)
         return rc == 1, rc, detail, time.time() - t
