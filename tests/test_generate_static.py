@@ -93,7 +93,8 @@ def test_a_cpu_prefill_in_groups_of_rows_gives_the_one_pass_logits_and_tokens(ti
     K/V then fill the static one: the one pass's last logits, and the same greedy tokens and stops after."""
     import core.decode
 
-    model, prompts = tiny
+    _, prompts = tiny  # on the CPU also where a GPU is: a GPU prefills every row in one pass
+    model, _ = load_target(load_config(ROOT / "configs/tiny-random-llama.yaml"), torch.device("cpu"))
     width = max(len(p) for p in prompts)
     stop = stops_at(plain_generate(model, prompts, 12, []), {0: 2, 1: 5})
     want = plain_generate(model, prompts, 12, stop)  # 4 prompts of < 100 tokens: one pass at 2048
