@@ -15,7 +15,8 @@ import socket
 import threading
 import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from tests.loopback_http import LoopbackServer, QuietHandler
 
 FAULTS = ("429", "500", "503", "timeout", "drop", "malformed")
 
@@ -31,7 +32,7 @@ def scripted_answer(messages: list[dict], max_tokens: int) -> tuple[str, str]:
     return " ".join(words), "stop"
 
 
-class FakeOpenAIServer:
+class FakeOpenAIServer(LoopbackServer):
     def __init__(self, fault_rate: float = 0.0, seed: int = 0, latency: float = 0.0, slow_seconds: float = 2.0,
                  status_override: int | None = None, reasoning: str = ""):
         self.fault_rate, self.latency, self.slow_seconds = fault_rate, latency, slow_seconds
@@ -41,12 +42,7 @@ class FakeOpenAIServer:
         self.auth_headers: list[str] = []
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):  # quiet
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.auth_headers.append(self.headers.get("Authorization", ""))
@@ -55,11 +51,11 @@ class FakeOpenAIServer:
                     server.counts[fault or "ok"] += 1
                 time.sleep(server.latency)
                 if server.status_override:
-                    return self._send(server.status_override, b'{"error": "scripted"}')
+                    return self.reply(server.status_override, b'{"error": "scripted"}')
                 if fault == "429":
-                    return self._send(429, b'{"error": "rate limited"}', {"Retry-After": "0"})
+                    return self.reply(429, b'{"error": "rate limited"}', headers={"Retry-After": "0"})
                 if fault in ("500", "503"):
-                    return self._send(int(fault), b'{"error": "scripted failure"}')
+                    return self.reply(int(fault), b'{"error": "scripted failure"}')
                 if fault == "timeout":
                     time.sleep(server.slow_seconds)
                 if fault == "drop":
@@ -67,7 +63,7 @@ class FakeOpenAIServer:
                     self.close_connection = True
                     return None
                 if fault == "malformed":
-                    return self._send(200, b'{"choices": [{"message": ')
+                    return self.reply(200, b'{"choices": [{"message": ')
                 content, finish = scripted_answer(body["messages"], body.get("max_tokens", 1 << 30))
                 msg = {"role": "assistant", "content": content}
                 if server.reasoning:
@@ -75,26 +71,7 @@ class FakeOpenAIServer:
                 reply = {"id": "x", "object": "chat.completion", "model": body["model"],
                          "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
                          "usage": {"completion_tokens": len(content.split()), "prompt_tokens": 1}}
-                return self._send(200, json.dumps(reply).encode())
+                return self.reply(200, json.dumps(reply).encode())
 
-            def _send(self, status: int, payload: bytes, headers: dict | None = None):
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(payload)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> FakeOpenAIServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(Handler)
+        self.url = f"http://127.0.0.1:{self.port}/v1"

@@ -22,12 +22,12 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
 from core.hidden_capture import extract_batch
 from extract import sglang_plugin as plugin
+from tests.loopback_http import LoopbackServer, QuietHandler
 
 
 @dataclass(eq=False)  # hashed and weakly referenced by identity, as sglang's Req (no __eq__/__slots__)
@@ -60,7 +60,7 @@ class LogitsOut:  # LogitsProcessorOutput: aux rows and post-norm final rows of 
     last_hidden_states: torch.Tensor | None
 
 
-class FakeSGLangServer:
+class FakeSGLangServer(LoopbackServer):
     def __init__(self, model, aux_layers: list[int], dump_dir, cache_hit_prompts=(), wrong_rows_prompts=(),
                  abort_prompts=(), deferred_prompts=(), plugin_loaded: bool = True, aux_capture: bool = True,
                  chunks: int = 3, max_pending: int = 4):
@@ -77,12 +77,7 @@ class FakeSGLangServer:
         self.health_checks = 0
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def do_GET(self):
                 server.health_checks += 1
                 if self.path == "/health":
@@ -99,16 +94,10 @@ class FakeSGLangServer:
                 return self._send(200, server.generate(body))
 
             def _send(self, status, obj):
-                payload = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                self.reply(status, json.dumps(obj).encode())
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.serve(Handler)
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def _once(self, option: str, ids: list[int]) -> bool:
         """Whether `option` applies to this prompt (on its first request only)."""
@@ -171,7 +160,7 @@ class FakeSGLangServer:
 
     def __enter__(self) -> FakeSGLangServer:
         plugin._PLUGIN = self.plugin if self.plugin_loaded else None
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        super().__enter__()
         # SGLang's own traffic before and beside ours: a warmup and a health-check generation, neither
         # asking for hidden states (so neither may leave a dump)
         self.generate({"rid": "warmup", "input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1}})
@@ -181,7 +170,6 @@ class FakeSGLangServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__exit__(*exc)
         self.plugin.close()
         plugin._PLUGIN = None

@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from tests.loopback_http import LoopbackServer, QuietHandler
 
 ACCEPT_CYCLE = [3, 1, 2, 4]  # tokens each verification adds (accepted drafts + the bonus token)
 
@@ -36,7 +37,7 @@ def rounds(n: int, k: int) -> list[int]:
     return out
 
 
-class FakeSpecServer:
+class FakeSpecServer(LoopbackServer):
     def __init__(self, engine: str, speculative: bool, k: int = 3):
         assert engine in ("vllm", "sglang")
         self.engine, self.speculative, self.k = engine, speculative, k
@@ -47,16 +48,11 @@ class FakeSpecServer:
         self.arrivals: list[float] = []  # when each completion request came in
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def do_GET(self):
                 if self.path != "/metrics" or server.engine != "vllm":
-                    return self._reply(404, "text/plain", b"not found")
-                return self._reply(200, "text/plain; version=0.0.4", server.metrics().encode())
+                    return self.reply(404, b"not found", "text/plain")
+                return self.reply(200, server.metrics().encode(), "text/plain; version=0.0.4")
 
             def do_POST(self):
                 server.arrivals.append(time.monotonic())
@@ -66,21 +62,12 @@ class FakeSpecServer:
                 elif server.engine == "sglang" and self.path == "/generate":
                     chunks = server.sglang_chunks(body)
                 else:
-                    return self._reply(404, "application/json", b'{"error": "unknown path"}')
+                    return self.reply(404, b'{"error": "unknown path"}')
                 payload = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-                return self._reply(200, "text/event-stream", payload.encode())
+                return self.reply(200, payload.encode(), "text/event-stream")
 
-            def _reply(self, status: int, kind: str, payload: bytes):
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.serve(Handler)
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def _decode(self, ids: list[int], n: int) -> tuple[list[str], list[int]]:
         words = scripted_words(ids, n)
@@ -133,11 +120,3 @@ class FakeSpecServer:
                 lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="{e}",model_name="m",'
                              f'position="{pos}"}} {float(v)}')
         return "\n".join(lines) + "\n"
-
-    def __enter__(self) -> FakeSpecServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
