@@ -11,8 +11,8 @@ Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, 
 found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S1-S2 and T1-T2 issue
 10's speculative sampling and draft trees, F1-F11 issue 13's fast TTT step (flex block mask, fused loss,
 checkpointing, flash kernel + log-sum-exp merge, one-graph unroll), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W5 its resume onto another
-number of processes, G1-G5 issue 14's static batched generation loop, P1-P3 data_gen's pool of
-requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
+number of processes, G1-G6 issue 14's static batched generation loop (G6: its CPU prefill in row
+groups), P1-P3 data_gen's pool of requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
 (core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
 sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights),
 E1-E2 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter), R1-R3 the eager TTT
@@ -257,6 +257,9 @@ MUTANTS = [
     Mutant("G5", "data_gen.compile=fused decodes eagerly (the compiled step never runs)", "core/decode_step.py",
            "return _fused_forward(FUSE_BACKEND, self.fuse)(self)", "return self._forward()",
            STATIC),
+    Mutant("G6", "a grouped CPU prefill copies its groups' keys into the cache in reverse order", "core/decode.py",
+           "torch.cat([g[i].keys for g in groups])", "torch.cat([g[i].keys for g in groups[::-1]])",
+           ("tests/test_generate_static.py::test_a_cpu_prefill_in_groups_of_rows_gives_the_one_pass_logits_and_tokens",)),
     Mutant("P1", "a part is committed once any one of its conversations is finished", "data_gen/batch_pool.py",
            "running[committed] == 0:", "running[committed] < len(parts[committed]):", POOL),
     Mutant("P2", "no pool across parts: the next part is let in only when nothing is pending (turn-synchronous)",
