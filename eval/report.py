@@ -154,14 +154,19 @@ def _plot_acceptance(r: dict, out: Path) -> None:
     bars = [(r["server"]["server_type"], r["per_position_acceptance"])] if "server" in r else []
     if hf:
         bars.append(("ours (HF engine)", hf["per_position_acceptance"]))
+    bars = [(name, values) for name, values in bars if values]  # SGLang reports no per-position counts
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     width = 0.8 / max(1, len(bars))
     for j, (name, values) in enumerate(bars):
-        if values:
-            ax1.bar([i + 1 + (j - (len(bars) - 1) / 2) * width for i in range(len(values))], values, width, label=name)
+        ax1.bar([i + 1 + (j - (len(bars) - 1) / 2) * width for i in range(len(values))], values, width, label=name)
     ax1.set(title="accepted at draft depth", xlabel="draft depth", ylabel="fraction of verifications",
             ylim=(0, 1), xticks=range(1, k + 1))
-    ax1.legend()
+    if bars:
+        ax1.legend()
+    else:
+        source = r["server"]["server_type"] if "server" in r else "this engine"
+        ax1.text(0.5, 0.5, f"{source} reports no\nper-position acceptance", ha="center", va="center",
+                 transform=ax1.transAxes, color="#666666")
     if hf:
         ax2.bar(range(1, k + 2), hf["accept_length_histogram"], color="#e0833a")
         ax2.axvline(hf["acceptance_length"], color="black", linestyle="--", label=f"τ = {hf['acceptance_length']:.2f}")
