@@ -44,6 +44,8 @@ def inputs(b, t, d: Eagle3Drafter, seed=1):
     return aux, ids, mask, teacher
 
 
+# flex's unfused eager kernel on purpose: the mask's math, checked where CI runs (CUDA compiles it)
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("t", [128, 200])
 def test_flex_block_mask_attention_equals_dense(t):
     """Every step count, GQA, a length that needs padding to whole blocks; fresh random inputs each."""
