@@ -31,6 +31,9 @@ class TargetConfig:
     model: str = _f("smollm2-135m-instruct", "alias of an embedded model, or a local HF model dir")
     dtype: str = _f("float32", "float32 | bfloat16 | float16 (use float32 on CPU: bf16 matmul is slow there)")
     device: str = _f("auto", "auto | cpu | cuda | cuda:N")
+    trust_remote_code: bool = _f(False, "run the Python code a model dir ships (its auto_map: Kimi-K2.5's tokenizer) "
+                                        "in every tokenizer, config and model load, and pass --trust-remote-code "
+                                        "to the SGLang server; off: such a dir is refused with this key named")
 
 
 @dataclass

@@ -24,7 +24,7 @@ def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_la
     final [B,T,H]) in the model's dtype. precision "bf16": the matmuls under bf16 autocast
     (extract.mixed_precision); the residual stream stays in the model's dtype."""
     with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-        hs = model.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
+        hs = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
     return torch.cat([hs[i] for i in aux_layers], dim=-1), hs[-1]  # [B,T,3H], [B,T,H]
 
 

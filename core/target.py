@@ -167,19 +167,138 @@ def target_info(cfg: RunConfig) -> TargetInfo:
     return TargetInfo(path, c["model_type"], c["num_hidden_layers"], c["hidden_size"], c["vocab_size"])
 
 
+def _remote_code_guard(cfg: RunConfig, what: str):
+    """Run a transformers load; the error transformers raises for a dir whose code it may not run becomes
+    one line naming target.trust_remote_code."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def guard():
+        try:
+            yield
+        except ValueError as e:
+            if "trust_remote_code" not in str(e) or cfg.target.trust_remote_code:
+                raise
+            raise UserError(f"target.model = {cfg.target.model!r}: its {what} is Python code shipped in the model dir "
+                            "(auto_map); set target.trust_remote_code=true to run it") from None
+    return guard()
+
+
+def _refuse_remote_tokenizer(cfg: RunConfig, path: Path) -> None:
+    """A tokenizer that is the model dir's own code (tokenizer_config.json auto_map) is never replaced by what
+    transformers would build without it (5.23 quietly ignores the auto_map and tries its own classes)."""
+    file = path / "tokenizer_config.json"
+    try:
+        auto_map = json.loads(file.read_text(encoding="utf-8")).get("auto_map") or {}
+    except (OSError, ValueError):
+        return
+    if "AutoTokenizer" in auto_map and not cfg.target.trust_remote_code:
+        raise UserError(f"target.model = {cfg.target.model!r}: its tokenizer is Python code shipped in the model dir "
+                        f"({file.name} auto_map: {auto_map['AutoTokenizer']}); set target.trust_remote_code=true to run it")
+
+
 def load_tokenizer(cfg: RunConfig):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_target(cfg), local_files_only=True)
+    _refuse_remote_tokenizer(cfg, resolve_target(cfg))
+    with _remote_code_guard(cfg, "tokenizer"):
+        tok = AutoTokenizer.from_pretrained(resolve_target(cfg), local_files_only=True,
+                                            trust_remote_code=cfg.target.trust_remote_code)
     if tok.chat_template is None:
         raise UserError(f"target {cfg.target.model}: tokenizer has no chat_template")
     return tok
 
 
+# A text model_type transformers knows under another name (what its own kimi_k25 config maps).
+_TEXT_MODEL_TYPES = {"kimi_k2": "deepseek_v3"}
+
+
+def text_model_config(cfg: RunConfig):
+    """The language model's transformers config. A multimodal wrapper (Kimi-K2.5: `text_config`, weights under
+    `language_model.`) gives its text_config, built with transformers' own class for that model_type, so only
+    the language model is ever loaded and the wrapper's remote code is never needed."""
+    from transformers import AutoConfig
+
+    path = resolve_target(cfg)
+    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        with _remote_code_guard(cfg, "config"):
+            return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=cfg.target.trust_remote_code)
+    keys = {k: v for k, v in text.items() if k not in ("model_type", "auto_map", "architectures")}
+    model_type = _TEXT_MODEL_TYPES.get(text.get("model_type"), text.get("model_type"))
+    try:
+        return AutoConfig.for_model(model_type, **keys)
+    except ValueError as e:
+        raise UserError(f"{path / 'config.json'}: text_config.model_type {text.get('model_type')!r} has no "
+                        f"transformers class ({e})") from None
+
+
+def _meta_text_model(cfg: RunConfig, text_cfg):
+    """The language model built on the meta device: its structure, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), _remote_code_guard(cfg, "model"):
+        return AutoModelForCausalLM.from_config(text_cfg, trust_remote_code=cfg.target.trust_remote_code)
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """Checkpoint names of the tensors a drafter borrows, found from the model's own structure (its input and
+    output embeddings, its decoder's final norm) and the checkpoint's prefix for the language model."""
+    prefix: str  # "" (Llama, Qwen) or "language_model." (Kimi-K2.5's wrapper)
+    embed: str
+    lm_head: str  # == embed when tied
+    norm: str
+    files: tuple[str, ...]
+
+
+def checkpoint_files(path: Path) -> dict[str, str]:
+    """tensor name -> safetensors file, from the index (sharded) or the single file's keys."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{index}: not a safetensors index with a weight_map ({e})") from None
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    out: dict[str, str] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            out.update(dict.fromkeys(f.keys(), name))
+    return out
+
+
+def weight_names(cfg: RunConfig, text_cfg=None) -> WeightNames:
+    path = resolve_target(cfg)
+    model = _meta_text_model(cfg, text_cfg or text_model_config(cfg))
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)  # a tied head keeps the embedding's (first) name
+    embed = names[id(model.get_input_embeddings().weight)]
+    head = model.get_output_embeddings()
+    lm_head = names[id(head.weight)] if head is not None else embed
+    decoder_norm = getattr(model.get_decoder(), "norm", None)
+    norm = names.get(id(decoder_norm.weight), "") if decoder_norm is not None else ""
+    weights = checkpoint_files(path)
+    prefixes = sorted({k[: -len(embed)] for k in weights if k.endswith(embed)}, key=len)
+    if not prefixes:
+        raise UserError(f"{path}: no tensor named *{embed} in its safetensors (the {type(model).__name__} input "
+                        "embedding)")
+    p = prefixes[0]
+    return WeightNames(p, p + embed, p + lm_head if p + lm_head in weights else p + embed,
+                       p + norm if norm and p + norm in weights else "", tuple(sorted(set(weights.values()))))
+
+
 def load_target(cfg: RunConfig, device: torch.device | None = None):
-    """(model in eval mode on device, tokenizer). Weights come from safetensors only. Decode steps (one
-    query token) attend through core/decode_attention.py; every other call through transformers' SDPA.
-    On a CPU, fp32 products of few rows run split across the threads (core/cpu_linear.py)."""
+    """(model in eval mode on device, tokenizer). Weights come from safetensors only; a multimodal wrapper's
+    language model alone, its checkpoint prefix stripped. Decode steps (one query token) attend through
+    core/decode_attention.py; every other call through transformers' SDPA. On a CPU, fp32 products of few
+    rows run split across the threads (core/cpu_linear.py)."""
+    import re
+
     from transformers import AutoModelForCausalLM
 
     from core.cpu_linear import split_cpu_linears
@@ -190,8 +309,17 @@ def load_target(cfg: RunConfig, device: torch.device | None = None):
         raise UserError(f"target.model = {cfg.target.model!r}: {path} has a config.json but no *.safetensors "
                         "weights (configs/targets/ ship configs only): pass target.model=<the model's local HF dir>")
     device = device or resolve_device(cfg.target.device)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=resolve_dtype(cfg.target.dtype),
-                                                 use_safetensors=True).to(device).eval()
+    text_cfg = text_model_config(cfg)
+    prefix = weight_names(cfg, text_cfg).prefix
+    with _remote_code_guard(cfg, "model"):
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, config=text_cfg, local_files_only=True, dtype=resolve_dtype(cfg.target.dtype), use_safetensors=True,
+            trust_remote_code=cfg.target.trust_remote_code, output_loading_info=True,
+            key_mapping={f"^{re.escape(prefix)}": ""} if prefix else None)
+    if info["missing_keys"]:  # they would run with random values
+        raise UserError(f"{path}: {len(info['missing_keys'])} weights of the language model are not in its "
+                        f"safetensors, e.g. {sorted(info['missing_keys'])[0]}")
+    model = model.to(device).eval()
     model.requires_grad_(False)
     use_decode_attention(model)
     split_cpu_linears(model)
@@ -215,22 +343,16 @@ class TargetHead:
 
 
 def load_target_embeddings(cfg: RunConfig) -> TargetHead:
-    """Read the embedding, lm_head and final norm straight from the target's safetensors (no full load)."""
-    import json
-
+    """Read the embedding, lm_head and final norm straight from the target's safetensors (no full load),
+    under the names the model's own structure gives them (`weight_names`)."""
     from safetensors import safe_open
 
     path = resolve_target(cfg)
-    index = path / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-             else ["model.safetensors"])
-    wanted = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head", "model.norm.weight": "norm"}
+    names = weight_names(cfg)
+    wanted = {names.embed, names.lm_head, names.norm} - {""}
     found: dict[str, torch.Tensor] = {}
-    for name in files:
+    for name in names.files:
         with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():
-                if key in wanted:
-                    found[wanted[key]] = f.get_tensor(key).float()
-    if "embed" not in found:
-        raise UserError(f"{path}: no model.embed_tokens.weight in its safetensors")
-    return TargetHead(found["embed"], found.get("lm_head", found["embed"]), found.get("norm"))
+            for key in wanted & set(f.keys()):
+                found[key] = f.get_tensor(key).float()
+    return TargetHead(found[names.embed], found[names.lm_head], found.get(names.norm))
