@@ -38,12 +38,31 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool, templat
                                          **(template_kwargs or {}))
 
 
-def split_reasoning(content: str | None, reasoning: str | None) -> tuple[str, str]:
-    """(answer, reasoning) from a server reply: `reasoning_content` if the server parsed it, else a
-    leading <think>...</think> block in the content."""
+@dataclass(frozen=True)
+class ThinkingStyle:
+    """What storing a reply needs to know about reasoning: data_gen.reasoning, whether the template renders
+    `reasoning_content` itself, and whether its generation prompt already opens a <think> block (Kimi-K2.5,
+    Qwen3 with thinking on), so that what the model writes is reasoning up to its first </think>."""
+    mode: str
+    template_renders: bool
+    prompt_opens: bool
+
+
+def thinking_style(tokenizer, mode: str, template_kwargs: dict | None = None) -> ThinkingStyle:
+    opens = render(tokenizer, [{"role": "user", "content": "q"}], True, template_kwargs).rstrip().endswith(THINK_OPEN)
+    return ThinkingStyle(mode, mode == "render" and template_renders_reasoning(tokenizer, template_kwargs), opens)
+
+
+def split_reasoning(content: str | None, reasoning: str | None, prompt_opens: bool = False) -> tuple[str, str]:
+    """(answer, reasoning) from a reply: `reasoning_content` if the server parsed it; after a generation prompt
+    that opened <think>, the text up to the first </think> (all of it when cut off while thinking), kept
+    byte for byte so the template renders exactly what was generated; else a leading <think>...</think> block."""
     content = content or ""
     if reasoning:
         return content, reasoning
+    if prompt_opens:
+        think, close, answer = content.partition(THINK_CLOSE)
+        return (answer, think) if close else ("", content)
     stripped = content.lstrip()
     if stripped.startswith(THINK_OPEN) and THINK_CLOSE in stripped:
         think, answer = stripped[len(THINK_OPEN):].split(THINK_CLOSE, 1)
@@ -106,7 +125,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], end_of_turn: list[str
         span = full[len(prefix):]
         if m["content"] not in span:
             raise TemplateError(f"chat template: assistant turn {i}'s content is not rendered verbatim")
-        end = _generated_end(span, m["content"], end_of_turn, truncated[i], i)
+        end = _generated_end(span, m["content"] or m.get("reasoning_content", ""), end_of_turn, truncated[i], i)
         add(prefix[len(covered):], 0)
         add(span[:end], 1)
         covered = prefix + span[:end]
@@ -121,7 +140,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], end_of_turn: list[str
 
 
 def _generated_end(span: str, content: str, end_of_turn: list[str], truncated: bool, turn: int) -> int:
-    """Offset in the assistant span just past what the target generated."""
+    """Offset in the assistant span just past what the target generated (`content`: the answer, or the
+    reasoning of a reply cut off while thinking)."""
     after_content = span.index(content) + len(content)
     if truncated:
         return after_content

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from core.chat import prompt_ids
 from core.prompts import Prompt
-from data_gen.chat_tokenize import assistant_message, split_reasoning, tokenize_conversation
+from data_gen.chat_tokenize import ThinkingStyle, assistant_message, split_reasoning, tokenize_conversation
 from data_gen.openai_client import Reply
 
 
@@ -63,9 +63,9 @@ class Regeneration:
             return False
         return True
 
-    def add_reply(self, reply: Reply, reasoning_mode: str, template_has_reasoning: bool) -> None:
-        answer, reasoning = split_reasoning(reply.content, reply.reasoning)
-        self.messages.append(assistant_message(answer, reasoning, reasoning_mode, template_has_reasoning))
+    def add_reply(self, reply: Reply, thinking: ThinkingStyle) -> None:
+        answer, reasoning = split_reasoning(reply.content, reply.reasoning, thinking.prompt_opens)
+        self.messages.append(assistant_message(answer, reasoning, thinking.mode, thinking.template_renders))
         self.history.append({"role": "assistant", "content": answer})
         self.truncated.append(reply.finish_reason == "length")
 

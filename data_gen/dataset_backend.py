@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from core.chat import prompts_ids
 from core.errors import UserError
+from data_gen.chat_tokenize import ThinkingStyle
 from data_gen.conversation import Regeneration
 from data_gen.openai_client import Reply
 
@@ -50,7 +51,7 @@ class SourceAnswers:
         return Reply(head, reasoning, "length", n)
 
 
-def run_dataset(todo: list[Regeneration], tok, dg, template_has_reasoning: bool, sink, bar) -> None:
+def run_dataset(todo: list[Regeneration], tok, dg, thinking: ThinkingStyle, sink, bar) -> None:
     """Conversations `CHUNK` at a time, turn by turn in step, so that each turn's prompts and answers are
     tokenized as one batch: the same checks as data_gen/conversation.request_ids, one call per turn."""
     answers = SourceAnswers(tok, dg.max_new_tokens)
@@ -67,7 +68,7 @@ def run_dataset(todo: list[Regeneration], tok, dg, template_has_reasoning: bool,
                 if reply is None:
                     conv.end("unanswered")
                 else:
-                    conv.add_reply(reply, dg.reasoning, template_has_reasoning)
+                    conv.add_reply(reply, thinking)
             live = [c for c in live if not c.ended_by and c.next_request() is not None]
         for conv in chunk:
             sink.add(conv)

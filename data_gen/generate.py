@@ -36,7 +36,7 @@ from core.stage_lock import stage_lock
 from core.stop_signal import sigterm_requests_stop
 from core.target import end_of_turn_ids, load_target, load_tokenizer, resolve_precision, resolve_target
 from data_gen.batch_pool import answer_parts
-from data_gen.chat_tokenize import TemplateError, template_renders_reasoning, tokenize_conversation
+from data_gen.chat_tokenize import TemplateError, thinking_style, tokenize_conversation
 from data_gen.conversation import Regeneration, regenerations, request_ids, to_rows
 from data_gen.dataset_backend import check_answers, run_dataset
 from data_gen.hf_backend import HFBackend
@@ -124,11 +124,11 @@ class PartSink:
 def run_hf(todo: list[Regeneration], backend: HFBackend, tok, cfg: RunConfig, sink: PartSink, bar) -> bool:
     """Full batches from one pool of requests across parts (data_gen/batch_pool.py); parts commit in order.
     SIGTERM stops it after the call in flight, with every finished conversation committed -> False."""
-    dg, has_reasoning = cfg.data_gen, backend_template_reasoning(tok, cfg)
+    dg, thinking = cfg.data_gen, thinking_style(tok, cfg.data_gen.reasoning, cfg.data_gen.chat_template_kwargs)
 
     def advance(conv: Regeneration, reply: Reply | None) -> list[int] | None:
         if reply is not None:
-            conv.add_reply(reply, dg.reasoning, has_reasoning)
+            conv.add_reply(reply, thinking)
         ids = request_ids(conv, tok, dg)
         if ids is None:
             bar.update(1)
@@ -157,10 +157,6 @@ def target_written_prompts(cfg: RunConfig, tok, out: Path, backend: HFBackend | 
             return backend.user_turns(ids, rows, MAX_TURN_TOKENS, dg.self_prompt_temperature, cfg.seed * 1_000_003 + i)
         return openai_user_turns(cfg, header, i)
     return self_prompts(out / "self_prompts.jsonl", dg.self_prompts, sample, rows, set(tok.get_added_vocab()))
-
-
-def backend_template_reasoning(tok, cfg: RunConfig) -> bool:
-    return cfg.data_gen.reasoning == "render" and template_renders_reasoning(tok, cfg.data_gen.chat_template_kwargs)
 
 
 SETTINGS_KEYS = ("backend", "model_name", "prompts", "heldout_percent", "max_turns", "n", "reasoning", "end_of_turn",
@@ -246,9 +242,9 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
         if dg.backend == "hf":
             completed = run_hf(todo, backend, tok, cfg, sink, bar)
         elif dg.backend == "dataset":
-            run_dataset(todo, tok, dg, backend_template_reasoning(tok, cfg), sink, bar)
+            run_dataset(todo, tok, dg, thinking_style(tok, dg.reasoning, dg.chat_template_kwargs), sink, bar)
         else:
-            failed = asyncio.run(run_openai(todo, tok, cfg, sink, bar, backend_template_reasoning(tok, cfg)))
+            failed = asyncio.run(run_openai(todo, tok, cfg, sink, bar, thinking_style(tok, dg.reasoning, dg.chat_template_kwargs)))
     finally:
         sink.flush()  # whatever finished is committed, even when the run is stopped by an error
         bar.close()

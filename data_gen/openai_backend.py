@@ -18,6 +18,7 @@ from collections import Counter
 
 from core.config import RunConfig
 from core.errors import UserError
+from data_gen.chat_tokenize import ThinkingStyle
 from data_gen.conversation import Regeneration, request_ids
 from data_gen.openai_client import ChatClient, Reply, RequestRejected, RetriesExhausted
 from data_gen.self_prompts import MAX_TURN_TOKENS
@@ -64,7 +65,7 @@ def openai_user_turns(cfg: RunConfig, header: str, index: int) -> list[str | Non
     return [r.content if r is not None and r.finish_reason == "stop" else None for r in replies]
 
 
-async def run_openai(todo: list[Regeneration], tok, cfg: RunConfig, sink, bar, has_reasoning: bool) -> Counter:
+async def run_openai(todo: list[Regeneration], tok, cfg: RunConfig, sink, bar, thinking: ThinkingStyle) -> Counter:
     """A pool of `concurrency` workers, each driving one conversation at a time through all its turns; finished
     conversations go to sink.add (generate.PartSink) -> the count of failures by kind."""
     dg = cfg.data_gen
@@ -85,7 +86,7 @@ async def run_openai(todo: list[Regeneration], tok, cfg: RunConfig, sink, bar, h
                         log.warning("conversation %s: turn rejected by the server (%s); kept earlier turns", conv.id, e)
                         conv.end("rejected")
                         break
-                    conv.add_reply(reply, dg.reasoning, has_reasoning)
+                    conv.add_reply(reply, thinking)
             except RetriesExhausted as e:
                 failed["retries_exhausted"] += 1
                 log.warning("conversation %s not written (%s); a rerun retries it", conv.id, e)

@@ -2,7 +2,7 @@
 
     python -m extract.sglang_launch --config configs/<name>.yaml [key=value ...] [-- sglang flags]
 
-Prints MODEL_PATH, LAYER_IDS (the ids SGLang needs to capture the config's aux layers: Llama/Qwen
+Prints MODEL_PATH, REMOTE_CODE ("--trust-remote-code" when target.trust_remote_code is set, else empty), LAYER_IDS (the ids SGLang needs to capture the config's aux layers: Llama/Qwen
 files add +1, DeepSeek/Kimi only when the first id is 1; core/aux_layers.py), PORT, DUMP_DIR and
 WATCHDOG_TIMEOUT. Exits 2 naming the flag when the SGLang flags after `--` would break capture.
 """
@@ -60,6 +60,7 @@ def launch_vars(cfg: RunConfig) -> tuple[dict[str, str], str]:
     # for at most request_timeout: SGLang's watchdog must not kill the server before that
     watchdog = SGLANG_DEFAULT_WATCHDOG_S + cfg.extract.request_timeout
     return {"MODEL_PATH": str(info.path),
+            "REMOTE_CODE": "--trust-remote-code" if cfg.target.trust_remote_code else "",
             "LAYER_IDS": " ".join(str(i) for i in sglang_layer_ids(aux, model_type)),
             "PORT": str(urlparse(cfg.extract.server_url).port or 30000),
             "DUMP_DIR": str(cfg.extract.dump_dir or cfg.run_path / "dumps"),

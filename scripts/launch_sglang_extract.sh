@@ -19,8 +19,8 @@ export EAGLE3_DUMP_DIR="$DUMP_DIR"
 if [[ -n ${SGLANG_PLUGINS:-} && ",$SGLANG_PLUGINS," != *,eagle3_hidden_dump,* ]]; then
   export SGLANG_PLUGINS="$SGLANG_PLUGINS,eagle3_hidden_dump"
 fi
-# shellcheck disable=SC2086  # LAYER_IDS is a space-separated list on purpose
-exec python -m sglang.launch_server --model-path "$MODEL_PATH" --port "$PORT" \
+# shellcheck disable=SC2086  # LAYER_IDS is a space-separated list, REMOTE_CODE one flag or empty, on purpose
+exec python -m sglang.launch_server --model-path "$MODEL_PATH" $REMOTE_CODE --port "$PORT" \
   --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 \
   --return-aux-hidden-state-layer-ids $LAYER_IDS --disable-radix-cache \
   --watchdog-timeout "$WATCHDOG_TIMEOUT" "$@"

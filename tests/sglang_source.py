@@ -314,3 +314,61 @@ def source_method_text(rel_path: str, cls: str | None, name: str) -> str:
     else:
         fn = source_method(rel_path, cls, name)
     return ast.get_source_segment((sglang_root() / rel_path).read_text(), fn)
+
+
+# ----------------------------------------------------------------------------- parameter shapes
+def _run_assignments(rel_path: str, cls: str, method: str, names: set[str], namespace: dict) -> dict:
+    """Run the top-level statements of a real method that assign any of `names` (e.g. "self.head_dim",
+    "hidden_size"; an if/else that does counts whole) in `namespace` -> namespace."""
+    def assigns(node) -> bool:
+        return any(isinstance(n, (ast.Assign, ast.AnnAssign)) and any(
+            ast.unparse(t) in names for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+            for n in ast.walk(node))
+
+    picked = [n for n in source_method(rel_path, cls, method).body if assigns(n)]
+    found = {ast.unparse(t) for n in picked for a in ast.walk(n) if isinstance(a, ast.Assign) for t in a.targets}
+    if not names <= found:
+        raise AssertionError(f"{cls}.{method} in sglang/{rel_path} no longer assigns {sorted(names - found)}")
+    exec(compile(ast.Module(body=picked, type_ignores=[]), str(sglang_root() / rel_path), "exec"), namespace)
+    return namespace
+
+
+def sglang_eagle3_shapes(config: dict) -> dict[tuple[str, object], tuple[int, ...]]:
+    """{(parameter, shard id or None): the shape its weight loader takes} for LlamaForCausalLMEagle3 built on a
+    drafter config.json (tensor parallel 1), with the sizes SGLang computes taken from the real statements:
+    the input layer's qkv width (llama_eagle3.LlamaDecoderLayer), head_dim (llama.LlamaAttention) and fc's input
+    width (llama_eagle3.LlamaModel: target_hidden_size x number of aux layers)."""
+    c = types.SimpleNamespace(**config)
+    h, heads, kv = c.hidden_size, c.num_attention_heads, c.num_key_value_heads
+    attn = _run_assignments(LLAMA_FILE, "LlamaAttention", "__init__", {"self.head_dim"},
+                            {"config": c, "getattr": getattr,
+                             "self": types.SimpleNamespace(hidden_size=h, total_num_heads=heads)})["self"]
+    layer = _run_assignments(EAGLE3_FILE, "LlamaDecoderLayer", "__init__", {"hidden_size"},
+                             {"self": types.SimpleNamespace(hidden_size=h, is_input_layer=True)})
+    model = _run_assignments(EAGLE3_FILE, "LlamaModel", "__init__", {"self.hidden_size_in", "self.num_aux_hidden_states"},
+                             {"config": c, "getattr": getattr, "hasattr": hasattr, "len": len,
+                              "self": types.SimpleNamespace()})["self"]
+    qkv_in, hd, inter = layer["hidden_size"], attn.head_dim, c.intermediate_size
+    p = "model.layers.0."
+    shapes = {("model.fc.weight", None): (h, model.hidden_size_in * model.num_aux_hidden_states),
+              ("model.norm.weight", None): (h,), ("lm_head.weight", None): (c.draft_vocab_size, h),
+              (p + "self_attn.qkv_proj.weight", "q"): (heads * hd, qkv_in),
+              (p + "self_attn.qkv_proj.weight", "k"): (kv * hd, qkv_in),
+              (p + "self_attn.qkv_proj.weight", "v"): (kv * hd, qkv_in),
+              (p + "self_attn.o_proj.weight", None): (h, heads * hd),
+              (p + "mlp.gate_up_proj.weight", 0): (inter, h), (p + "mlp.gate_up_proj.weight", 1): (inter, h),
+              (p + "mlp.down_proj.weight", None): (h, inter)}
+    shapes.update({(p + n, None): (h,) for n in ("input_layernorm.weight", "hidden_norm.weight",
+                                                 "post_attention_layernorm.weight")})
+    if sglang_norm_before_fc(config):
+        shapes[("model.input_norm.weight", None)] = (model.hidden_size_in * model.num_aux_hidden_states,)
+    return shapes
+
+
+def check_drafter_shapes(tensors: dict[str, torch.Tensor], config: dict) -> list[str]:
+    """Tensors SGLang's real loader would hand to a parameter of another shape ([] = none), for the drafter
+    config.json `config`: a misshapen weight fails the load on a GPU server, or worse, a view of it loads."""
+    want = sglang_eagle3_shapes(config)
+    calls = run_sglang_load_weights(tensors, norm_before_fc=sglang_norm_before_fc(config))["calls"]
+    return [f"{src} -> {param}[{shard}]: {shape}, SGLang builds {want.get((param, shard))}"
+            for src, param, shard, shape in calls if want.get((param, shard)) != shape]

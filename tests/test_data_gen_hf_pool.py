@@ -17,6 +17,7 @@ from core.errors import UserError
 from core.prompts import load_prompts
 from core.target import load_target
 from data_gen import generate
+from data_gen.chat_tokenize import thinking_style
 from data_gen.conversation import regenerations, to_rows
 from data_gen.openai_client import Reply
 from tests.conftest import ROOT
@@ -80,12 +81,12 @@ def answered_alone(cfg):
     """Every conversation answered by itself, turn after turn, with the double's replies -> (their rows in
     parts of 4, in the file's order: what the turn-synchronous loop commits; their assistant turns)."""
     model, tok = load_target(cfg)
-    dg, reasoning = cfg.data_gen, generate.backend_template_reasoning(tok, cfg)
+    dg, thinking = cfg.data_gen, thinking_style(tok, cfg.data_gen.reasoning, cfg.data_gen.chat_template_kwargs)
     eot = generate.end_of_turn_strings(cfg, tok, model.generation_config)
     convs = [c for p in load_prompts(dg.prompts, "train", 0) for c in regenerations(p, 0, 1, None)]
     for c in convs:
         while (ids := generate.request_ids(c, tok, dg)) is not None:
-            c.add_reply(scripted_reply(ids), dg.reasoning, reasoning)
+            c.add_reply(scripted_reply(ids), thinking)
     rows = [[{k: r[k] for k in FIELDS} for r in to_rows(c, tok, eot, dg.reasoning, {}, "m", "h")] for c in convs]
     return [sum(rows[i:i + 4], []) for i in range(0, len(rows), 4)], [c.answered for c in convs]
 

@@ -6,15 +6,22 @@ import ast
 import json
 
 import pytest
+import torch
 
 from core.aux_layers import resolve_aux_layers
 from core.config import check_ranges, load_config
-from core.drafter import DrafterConfig, Eagle3Drafter
+from core.drafter import EXPORT_EXCLUDE, DrafterConfig, Eagle3Drafter
 from core.plan import drafter_params, plan, shard_bytes_per_token, train_memory
 from core.target import read_target_config, target_info
 from extract.sglang_launch import launch_vars
 from tests.conftest import ROOT, run_cli
-from tests.sglang_source import sglang_capture_layers, sglang_root, source_class
+from tests.sglang_source import (
+    check_drafter_shapes,
+    check_drafter_tensor_names,
+    sglang_capture_layers,
+    sglang_root,
+    source_class,
+)
 
 # public config.json values: (model_type, layers, hidden, vocab, heads, kv heads, head_dim, MLP)
 TARGETS = {
@@ -106,6 +113,22 @@ def test_export_gives_each_engine_the_trained_layers(name, tmp_path):
     assert export["eagle_aux_hidden_state_layer_ids"] == aux  # llama.cpp: conversion/llama.py reads it as is
     env, _ = launch_vars(cfg)
     assert env["LAYER_IDS"] == " ".join(map(str, sglang_ids))
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_full_size_export_loads_in_sglang_with_every_shape(name, tmp_path):
+    """The drafter a real run on this target exports (built on the meta device: shapes, no memory) loads in SGLang
+    0.5.23's LlamaForCausalLMEagle3 by name and by shape: Kimi-K2.5's 7168-wide, 64-head drafter (head_dim 112,
+    SGLang's hidden / heads since MLA has no head_dim) included."""
+    cfg = target_cfg(name, tmp_path)
+    dc = DrafterConfig.for_target(read_target_config(target_info(cfg).path), AUX[name][0], cfg.train.draft_vocab_size)
+    with torch.device("meta"):
+        tensors = {k: v for k, v in Eagle3Drafter(dc).state_dict().items() if k not in EXPORT_EXCLUDE}
+    tensors.update(d2t=torch.zeros(dc.draft_vocab_size, dtype=torch.int64),  # the loader does arithmetic on it
+                   t2d=torch.zeros(dc.vocab_size, dtype=torch.bool))
+    assert check_drafter_tensor_names(tensors) == []
+    assert check_drafter_shapes(tensors, dc.to_sglang()) == []
+    assert check_drafter_shapes(tensors, {**dc.to_sglang(), "head_dim": dc.head_dim * 2}) != []  # it can fail
 
 
 @pytest.mark.parametrize("dc", [

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import torch
@@ -108,8 +107,10 @@ def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> N
                                                                  indent=2))
 
 
-def build_tiny_kimi(out: Path, smollm2_dir: Path, seed: int = 0) -> Path:
-    """Write the tiny Kimi-K2.5 model dir to `out` (config, sharded weights, remote-code tokenizer)."""
+def build_tiny_kimi(out: Path, smollm2_dir: Path, reference: Path, seed: int = 0) -> Path:
+    """Write the tiny Kimi-K2.5 model dir to `out` (config, sharded weights, remote-code tokenizer), and its
+    language model as a plain DeepSeek-V3 checkpoint to `reference` (transformers' own save: the reference
+    forward tests compare against, loaded without any of our code)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -132,10 +133,8 @@ def build_tiny_kimi(out: Path, smollm2_dir: Path, seed: int = 0) -> Path:
     keys = {k: v for k, v in text.items() if k not in ("model_type", "auto_map", "architectures")}
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("deepseek_v3", **keys), dtype=torch.float32)
-    tmp = out / ".text-model"
-    model.save_pretrained(tmp)  # transformers writes the original per-expert checkpoint names
-    tensors = {f"language_model.{k}": v for f in sorted(tmp.glob("*.safetensors")) for k, v in load_file(f).items()}
-    shutil.rmtree(tmp)
+    model.save_pretrained(reference)  # transformers writes the original per-expert checkpoint names
+    tensors = {f"language_model.{k}": v for f in sorted(reference.glob("*.safetensors")) for k, v in load_file(f).items()}
     g = torch.Generator().manual_seed(seed)
     tensors["vision_tower.patch_embed.proj.weight"] = torch.randn(16, 3, 14, 14, generator=g)
     tensors["mm_projector.proj.0.weight"] = torch.randn(32, 64, generator=g)
