@@ -36,6 +36,7 @@ MEASURED = {
     ("train", 576, 30, "no"): [(700, f"2-core CPU, fp32, K=3, 16 x 298 tokens; {_PERF}")],
 }
 _STORE_BYTES = {"bfloat16": 2, "float32": 4, "fp8_e4m3": 1}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def conversations(cfg: RunConfig) -> int:
@@ -54,6 +55,62 @@ def shard_bytes_per_token(hidden: int, dtype: str) -> int:
     plus one fp32 scale per layer group (3 aux + 1 final) when stored as fp8 (core/hidden_shards.py)."""
     scales = 4 * 4 if dtype == "fp8_e4m3" else 0
     return 4 + 1 + 4 * hidden * _STORE_BYTES[dtype] + scales
+
+
+def target_params(tc: dict) -> int:
+    """Parameters of the target's language model from its config (core.target.read_target_config): GQA or MLA
+    attention (DeepSeek-V3 / Kimi: q/kv LoRA ranks), dense or MoE MLPs (routed + shared experts after
+    `first_k_dense_replace` dense layers), norms, embedding and head (once when tied). Arithmetic, so a 1T
+    target costs nothing to plan (tests/test_kimi_plan.py checks it against transformers' own modules)."""
+    h, heads, layers, vocab = tc["hidden_size"], tc["num_attention_heads"], tc["num_hidden_layers"], tc["vocab_size"]
+    if tc.get("kv_lora_rank"):
+        qk, qr, kvr = tc["qk_nope_head_dim"] + tc["qk_rope_head_dim"], tc.get("q_lora_rank"), tc["kv_lora_rank"]
+        q = h * qr + qr + qr * heads * qk if qr else h * heads * qk  # (+ the q LoRA norm)
+        attn = (q + h * (kvr + tc["qk_rope_head_dim"]) + kvr + kvr * heads * (tc["qk_nope_head_dim"] + tc["v_head_dim"])
+                + heads * tc["v_head_dim"] * h)
+    else:
+        d = tc.get("head_dim") or h // heads
+        kv = tc.get("num_key_value_heads") or heads
+        attn = h * heads * d + 2 * h * kv * d + heads * d * h
+    dense_mlp = 3 * h * tc["intermediate_size"]
+    experts = tc.get("n_routed_experts") or 0
+    moe_layers = layers - (tc.get("first_k_dense_replace") or 0) if experts else 0
+    moe_mlp = (experts + (tc.get("n_shared_experts") or 0)) * 3 * h * tc.get("moe_intermediate_size", 0) \
+        + experts * h + (experts if tc.get("topk_method") == "noaux_tc" else 0)  # router (+ its score bias)
+    per_layer_norms = 2 * h
+    embed = vocab * h * (1 if tc.get("tie_word_embeddings") else 2)
+    return (layers * (attn + per_layer_norms) + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
+            + embed + h)
+
+
+def target_weight_bytes(cfg: RunConfig) -> int:
+    """Bytes of the language model's weights in target.dtype: what one process holds to run the target
+    in-process (data_gen/extract/eval's hf engines, train.source=online)."""
+    return target_params(read_target_config(resolve_target(cfg))) * _DTYPE_BYTES[cfg.target.dtype]
+
+
+def device_memory(device) -> int:
+    """Bytes one process can hold on `device`: the GPU's memory, or the machine's RAM for a CPU."""
+    import os
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_target_fits(cfg: RunConfig, device) -> None:
+    """One line before loading when the target's weights alone exceed what one process has on `device`
+    (a 1T-parameter Kimi-K2.5 in train.source=online or an in-process engine), instead of minutes of loading
+    and an out-of-memory traceback."""
+    need, have = target_weight_bytes(cfg), device_memory(device)
+    if need > have:
+        params = target_params(read_target_config(resolve_target(cfg)))
+        raise UserError(f"target.model = {cfg.target.model!r}: its weights need ~{_gib(need)} in {cfg.target.dtype} "
+                        f"({params / 1e9:,.1f}B parameters, `make plan`), more than one process has on {device} "
+                        f"({_gib(have)}): run the target as a server (data_gen.backend=openai, extract.engine=sglang, "
+                        "train.source=offline, eval.engine=server)")
 
 
 def drafter_params(dc: DrafterConfig) -> dict[str, int]:
@@ -88,6 +145,25 @@ def train_memory(dc: DrafterConfig, trainable: int, batch: int, max_len: int, st
             "activations": steps * n * per_token_step + loss_temporaries}
 
 
+# The user's hand-patched SGLang dump of Kimi-K2.5 (aux + final in bf16, 4 x 7168 x 2 = 57,344 B a token, no
+# compaction): "924 GB" for 10,000 samples of 17.3M tokens (1,730 a sample), i.e. 924 GiB.
+HAND_PATCHED_GIB, HAND_PATCHED_SAMPLES, HAND_PATCHED_TOKENS = 924, 10_000, 17_300_000
+
+
+def disk_lines(hidden: int, cap: int) -> list[str]:
+    """Hidden-shard bytes for 10k and 100k samples at each storage dtype: at the hand-patched run's mean sample
+    length and at the token cap (spans=loss stores fewer final rows: less), beside that run's 924 GB."""
+    mean = HAND_PATCHED_TOKENS // HAND_PATCHED_SAMPLES
+    lines = [f"disk for the shards in GiB, at {mean:,} tokens a sample (the hand-patched Kimi-K2.5 run's mean) / at "
+             f"the cap of {cap:,} (spans=loss: less); that run's dump took {HAND_PATCHED_GIB} GiB for "
+             f"{HAND_PATCHED_SAMPLES:,} samples:"]
+    for n in (10_000, 100_000):
+        cells = [f"{dt} {n * mean * shard_bytes_per_token(hidden, dt) / GIB:,.0f} / "
+                 f"{n * cap * shard_bytes_per_token(hidden, dt) / GIB:,.0f}" for dt in ("fp8_e4m3", "bfloat16", "float32")]
+        lines.append(f"  {n:,} samples: " + ", ".join(cells))
+    return lines
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds / 60:,.1f} min"
 
@@ -115,9 +191,12 @@ def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
     n_conv, cap = conversations(cfg), tokens_cap(cfg)
     tokens = n_conv * cap
     d, x, t, e = cfg.data_gen, cfg.extract, cfg.train, cfg.eval
+    weights = target_params(tc)
     out = {"target": [
         f"{cfg.target.model}: {model_type}, {layers} layers, hidden {h}, vocab {tc['vocab_size']}, "
         f"{tc['num_attention_heads']}/{tc.get('num_key_value_heads') or tc['num_attention_heads']} heads",
+        f"weights: {weights / 1e9:,.2f}B parameters -> {_gib(weights * _DTYPE_BYTES[cfg.target.dtype])} in "
+        f"{cfg.target.dtype}: what one process holds to run it in-process (hf engines, train.source=online)",
         f"aux layers {aux} (input of layer i = hidden_states[i]); export: SGLang eagle_config ids "
         f"{export['eagle_config']['eagle_aux_hidden_state_layer_ids']}, llama.cpp top-level ids "
         f"{export['eagle_aux_hidden_state_layer_ids']}"]}
@@ -135,6 +214,7 @@ def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
         + (" (spans=loss: final rows only on loss tokens, less)" if x.spans == "loss" else ""),
         f"storing all {layers + 1} hidden states in bf16 instead: {all_layers:,} B/token "
         f"({all_layers / per_tok:.1f}x) -> {_gib(tokens * all_layers)}",
+        *disk_lines(h, cap),
         f"time: {_hours(tokens, ('extract', h, layers, x.dtype))}"]
     params = drafter_params(dc)
     frozen = params["embed_tokens"] + (params["lm_head"] if t.freeze_lm_head else 0)
@@ -155,6 +235,9 @@ def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
         f"steps: ceil({n_conv:,} / ({t.batch_size} batch x {world_size} processes x {t.grad_accum} accum)) x "
         f"{t.epochs} epochs = {steps:,}",
         f"time: {_hours(train_tokens, ('train', h, layers, 'bf16' if bf16 else 'no'))} for <= {train_tokens:,} tokens"]
+    if t.max_len < cap:
+        out["train"].append(f"WARNING: train.max_len {t.max_len:,} < {cap:,}, the longest sample data_gen can write: "
+                            "longer samples are cut in training (their tail's tokens never trained on)")
     drafting = f"tree {e.draft_tree}" if e.draft_tree else f"chain K={e.draft_steps}"
     out["eval"] = [
         f"engine {e.engine}: {e.max_prompts} prompts ({e.prompts}) x <= {e.max_new_tokens} new tokens, {drafting}, "

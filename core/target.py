@@ -309,6 +309,9 @@ def load_target(cfg: RunConfig, device: torch.device | None = None):
         raise UserError(f"target.model = {cfg.target.model!r}: {path} has a config.json but no *.safetensors "
                         "weights (configs/targets/ ship configs only): pass target.model=<the model's local HF dir>")
     device = device or resolve_device(cfg.target.device)
+    from core.plan import check_target_fits  # core.plan reads configs through this module
+
+    check_target_fits(cfg, device)
     text_cfg = text_model_config(cfg)
     prefix = weight_names(cfg, text_cfg).prefix
     with _remote_code_guard(cfg, "model"):

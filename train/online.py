@@ -28,6 +28,7 @@ from core.conversations import read_conversations_for
 from core.errors import UserError
 from core.hidden_capture import capture, capture_compat
 from core.hidden_shards import ids_sha256, teacher_positions
+from core.plan import check_target_fits
 from core.target import TargetHead, load_target, resolve_precision, target_info
 from train.data import AUX_RMS_SAMPLES, collate
 from train.ttt_loss import teacher_argmax
@@ -53,6 +54,7 @@ class OnlineSource:
     (the interface of train/data.py's sources)."""
 
     def __init__(self, cfg: RunConfig, device: torch.device):
+        check_target_fits(cfg, device)  # every training process holds a whole target: refused here, not at load
         self.dir, self.max_len, self.device = cfg.run_path / "conversations", cfg.train.max_len, device
         self.manifest, convs = read_conversations_for(self.dir, cfg.target.model)
         convs = convs.select_columns(["id", "input_ids", "loss_mask"])
