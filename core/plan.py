@@ -61,7 +61,8 @@ def target_params(tc: dict) -> int:
     """Parameters of the target's language model from its config (core.target.read_target_config): GQA or MLA
     attention (DeepSeek-V3 / Kimi: q/kv LoRA ranks), dense or MoE MLPs (routed + shared experts after
     `first_k_dense_replace` dense layers), norms, embedding and head (once when tied). Arithmetic, so a 1T
-    target costs nothing to plan (tests/test_kimi_plan.py checks it against transformers' own modules)."""
+    target costs nothing to plan (tests/test_kimi_plan.py checks it against transformers' own modules;
+    Qwen3 adds its per-head q/k norms)."""
     h, heads, layers, vocab = tc["hidden_size"], tc["num_attention_heads"], tc["num_hidden_layers"], tc["vocab_size"]
     if tc.get("kv_lora_rank"):
         qk, qr, kvr = tc["qk_nope_head_dim"] + tc["qk_rope_head_dim"], tc.get("q_lora_rank"), tc["kv_lora_rank"]
@@ -71,7 +72,7 @@ def target_params(tc: dict) -> int:
     else:
         d = tc.get("head_dim") or h // heads
         kv = tc.get("num_key_value_heads") or heads
-        attn = h * heads * d + 2 * h * kv * d + heads * d * h
+        attn = h * heads * d + 2 * h * kv * d + heads * d * h + (2 * d if tc["model_type"].startswith("qwen3") else 0)
     dense_mlp = 3 * h * tc["intermediate_size"]
     experts = tc.get("n_routed_experts") or 0
     moe_layers = layers - (tc.get("first_k_dense_replace") or 0) if experts else 0
