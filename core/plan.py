@@ -224,6 +224,8 @@ def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
     row = t.pack_length or t.max_len  # packed: up to batch_size rows of pack_length tokens
     mem = train_memory(dc, trainable, t.batch_size, row, t.ttt_steps, bf16, t.activation_checkpointing,
                        t.loss_chunk, t.bf16_weights)
+    embed_bytes = (2 if bf16 else 4) * params["embed_tokens"]
+    checkpoint = 4 * (sum(params.values()) - params["embed_tokens"]) + embed_bytes + 8 * trainable
     per_step = t.batch_size * world_size * t.grad_accum
     steps = math.ceil(n_conv / per_step) * t.epochs
     train_tokens = n_conv * min(cap, t.max_len) * t.epochs
@@ -233,6 +235,9 @@ def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
         f"draft vocab {dc.draft_vocab_size:,} of {dc.vocab_size:,})",
         f"memory per GPU ~{_gib(sum(mem.values()))} (estimate, {'bf16' if bf16 else 'fp32'} activations, batch "
         f"{t.batch_size} x {row} tokens, K={t.ttt_steps}): " + ", ".join(f"{k} {_gib(v)}" for k, v in mem.items()),
+        f"disk: 2 checkpoints kept x ~{_gib(checkpoint)} (fp32 weights, the embedding, AdamW moments) + the drafter export "
+        f"~{_gib(2 * (sum(params.values()) - params['embed_tokens']) + dc.vocab_size + 8 * dc.draft_vocab_size)} "
+        "(bf16, no embedding)",
         f"steps: ceil({n_conv:,} / ({t.batch_size} batch x {world_size} processes x {t.grad_accum} accum)) x "
         f"{t.epochs} epochs = {steps:,}",
         f"time: {_hours(train_tokens, ('train', h, layers, 'bf16' if bf16 else 'no'))} for <= {train_tokens:,} tokens"]
