@@ -191,6 +191,9 @@ class EvalConfig:
                            "llama-servers on loopback, beside the hf engine) | server (any base + spec server)")
     concurrency: list[int] = _f([1, 4], "requests in flight, one measurement per level (server engines)", ge=1)
     server_type: str = _f("llamacpp", "llamacpp | vllm | sglang: how engine=server asks and counts (server engine)")
+    server_pass: str = _f("both", "both (base and speculative servers up together, taking turns) | base | spec: one "
+                                  "server at a time (a target two copies of which don't fit a node): each pass "
+                                  "kept in <out>/passes/, the second one writes the report (server engine)")
     base_url: str = _f("", "base server root, e.g. http://127.0.0.1:8080 (server engine)")
     spec_url: str = _f("", "speculative server root (server engine)")
     gguf_outtype: str = _f("f32", "f32 | f16 | q8_0: the drafter GGUF (and a converted target GGUF) for llamacpp")
@@ -202,6 +205,8 @@ class EvalConfig:
 
     def __post_init__(self):
         """Checked here, not after the whole HF eval: p_min's setting, and outtypes llama.cpp's converter takes."""
+        if self.server_pass not in ("both", "base", "spec"):
+            raise UserError(f"eval.server_pass = {self.server_pass!r}: must be one of 'both' | 'base' | 'spec'")
         if self.draft_p_min > 0 and (self.draft_tree or self.temperature > 0 or self.engine == "server"):
             raise UserError(f"eval.draft_p_min = {self.draft_p_min}: it stops a greedy chain (eval.temperature 0, no "
                             "eval.draft_tree) in the hf and llamacpp engines; for engine=server set the server's own flag")

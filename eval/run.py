@@ -46,6 +46,7 @@ from core.target import (
 from eval.llamacpp_server import served_by_llamacpp
 from eval.report import common_prefix, server_summary, summarize, write_report
 from eval.server_eval import SERVER_TYPES, compare_servers
+from eval.server_passes import one_server_pass
 
 log = logging.getLogger("eval")
 ENGINES = ("hf", "llamacpp", "server")
@@ -62,12 +63,15 @@ def add_eval_args(p) -> None:
     p.add_argument("--base", default=None, help="base server root URL (engine server; overrides eval.base_url)")
     p.add_argument("--spec", default=None, help="speculative server root URL (engine server; eval.spec_url)")
     p.add_argument("--concurrency", default=None, help="comma list, e.g. 1,4,16 (overrides eval.concurrency)")
+    p.add_argument("--pass", dest="server_pass", choices=("both", "base", "spec"), default=None,
+                   help="engine server: one server at a time (overrides eval.server_pass)")
 
 
 def cli_overrides(args) -> dict:
     """The eval CLI flags as eval.* config fields (None: keep the config's)."""
     levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else None
     return {"engine": args.engine, "server_type": args.server_type, "base_url": args.base, "spec_url": args.spec,
+            "server_pass": args.server_pass,
             "concurrency": levels, "max_prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens}
 
 
@@ -134,8 +138,13 @@ def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, o
                          "servers greedily with a chain of eval.draft_steps")
     if ev.draft_tree and ev.temperature:
         raise UserError("eval.draft_tree is greedy only: set eval.temperature=0 or eval.draft_tree=[]")
-    if ev.engine == "server" and not (ev.base_url and ev.spec_url):
-        raise UserError("eval.engine=server needs both --base URL and --spec URL (eval.base_url, eval.spec_url)")
+    if ev.engine == "server" and ev.server_pass == "both" and not (ev.base_url and ev.spec_url):
+        raise UserError("eval.engine=server needs both --base URL and --spec URL (eval.base_url, eval.spec_url), or "
+                        "one of them with --pass base / --pass spec (one server at a time)")
+    pass_url = {"both": "-", "base": ev.base_url, "spec": ev.spec_url}[ev.server_pass]
+    if not (pass_url and (ev.server_pass == "both" or ev.engine == "server")):
+        raise UserError(f"eval.server_pass = {ev.server_pass}: a pass against one running server (engine server): "
+                        f"give --{ev.server_pass} URL")
     draft_dir = Path(draft) if draft else cfg.run_path / "drafter"
     out_dir = Path(out) if out else cfg.run_path / "eval"
     with stage_lock(out_dir, "eval"):
@@ -161,7 +170,14 @@ def evaluate(cfg: RunConfig, prompts: str | None, draft_dir: Path, out_dir: Path
               "drafter_fingerprint": drafted_by.get("fingerprint"), "prompts": prompts or ev.prompts,
               "max_new_tokens": n, "git_sha": git_sha(), "config": to_dict(cfg)}
     results: list[dict] = []
-    if ev.engine == "server":
+    if ev.engine == "server" and ev.server_pass != "both":
+        url = (ev.base_url if ev.server_pass == "base" else ev.spec_url).rstrip("/")
+        server = one_server_pass(ev.server_pass, url, items, n, ev.concurrency, ev.server_type, out_dir)
+        if server is None:  # the other pass is still to come: nothing to report yet
+            return {"engine": "server", "server_pass": ev.server_pass, "passes": str(out_dir / "passes")}
+        report.update({**server_summary(server, k), "device": f"{ev.server_type} servers, one at a time",
+                       "server": server})
+    elif ev.engine == "server":
         server = compare_servers(ev.base_url.rstrip("/"), ev.spec_url.rstrip("/"), items, n, ev.concurrency,
                                  ev.server_type)
         report.update({**server_summary(server, k), "device": f"{ev.server_type} servers", "server": server})

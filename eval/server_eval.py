@@ -109,10 +109,33 @@ def taking_turns(urls: dict[str, str], items: list[tuple[str, list[int]]], n: in
     return {name: level_summary(rows[name], wall[name]) for name in urls}
 
 
-def _metrics(url: str, server_type: str) -> dict:
+def metrics(url: str, server_type: str) -> dict | None:
+    """The speculative engine's running Prometheus counters (llama.cpp, vLLM); None for SGLang, which counts
+    per request in meta_info instead."""
+    if server_type == "sglang":
+        return None
     r = httpx.get(f"{url}/metrics", timeout=30)
     r.raise_for_status()
     return prometheus_spec_counters(r.text, PROMETHEUS_PREFIX[server_type])
+
+
+def spec_window_counts(url: str, server_type: str, before: dict | None, rows: list[dict]) -> dict:
+    """τ and acceptance over one level of the speculative server: its requests' meta_info (SGLang) or its
+    counters since `before` (llama.cpp, vLLM)."""
+    if server_type == "sglang":
+        return sglang_window([r["meta_info"] for r in rows])
+    return counter_window(before, metrics(url, server_type))
+
+
+def paired_level(c: int, base: dict, spec: dict, counted: dict) -> dict:
+    """One concurrency level of the report from both servers' level summaries and the speculative counts."""
+    same = sum(b["text"] == s["text"] for b, s in zip(base["rows"], spec["rows"], strict=True))
+    level = {"concurrency": c, "base": base, "spec": spec, **counted,
+             "speedup": spec["tokens_per_s"] / base["tokens_per_s"], "outputs_equal": same}
+    log.info("concurrency %d: base %.1f tok/s, spec %.1f tok/s (%.2fx), τ %.3f, outputs equal %d/%d", c,
+             base["tokens_per_s"], spec["tokens_per_s"], level["speedup"], level["acceptance_length"], same,
+             len(base["rows"]))
+    return level
 
 
 def compare_servers(base_url: str, spec_url: str, items: list[tuple[str, list[int]]], n: int,
@@ -124,17 +147,9 @@ def compare_servers(base_url: str, spec_url: str, items: list[tuple[str, list[in
         request(url, items[0][1], 8, server_type)
     out = []
     for c in levels:
-        before = _metrics(spec_url, server_type) if server_type != "sglang" else None
+        before = metrics(spec_url, server_type)
         done = taking_turns({"base": base_url, "spec": spec_url}, items, n, c, server_type)
-        base, spec = done["base"], done["spec"]
-        counted = (sglang_window([r["meta_info"] for r in spec["rows"]]) if server_type == "sglang"
-                   else counter_window(before, _metrics(spec_url, server_type)))
-        same = sum(b["text"] == s["text"] for b, s in zip(base["rows"], spec["rows"], strict=True))
-        level = {"concurrency": c, "base": base, "spec": spec, **counted,
-                 "speedup": spec["tokens_per_s"] / base["tokens_per_s"], "outputs_equal": same}
-        out.append(level)
-        log.info("concurrency %d: base %.1f tok/s, spec %.1f tok/s (%.2fx), τ %.3f, outputs equal %d/%d", c,
-                 base["tokens_per_s"], spec["tokens_per_s"], level["speedup"], level["acceptance_length"], same,
-                 len(items))
+        out.append(paired_level(c, done["base"], done["spec"],
+                                spec_window_counts(spec_url, server_type, before, done["spec"]["rows"])))
     return {"server_type": server_type, "base_url": base_url, "spec_url": spec_url, "levels": out,
             "num_prompts": len(items), "max_new_tokens": n}

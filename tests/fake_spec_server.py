@@ -8,6 +8,7 @@ Fields, from each engine's documentation (../shared/reference/sglang-0.5.23.md; 
   `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`, `..._num_accepted_tokens_total`,
   `..._num_accepted_tokens_per_pos_total{position}`, one series per engine (data parallel: 2 here) and
   model, with `# HELP`/`# TYPE` lines and `_created` samples as prometheus_client writes them.
+- both: `/v1/models` (the OpenAI model list: the served model's id).
 - SGLang: streamed `/generate` with `input_ids` (SSE chunks whose `text` is cumulative and whose
   `meta_info` carries prompt_tokens, completion_tokens, spec_verify_ct, spec_accept_length).
 """
@@ -38,9 +39,9 @@ def rounds(n: int, k: int) -> list[int]:
 
 
 class FakeSpecServer(LoopbackServer):
-    def __init__(self, engine: str, speculative: bool, k: int = 3):
+    def __init__(self, engine: str, speculative: bool, k: int = 3, model: str = "/models/target"):
         assert engine in ("vllm", "sglang")
-        self.engine, self.speculative, self.k = engine, speculative, k
+        self.engine, self.speculative, self.k, self.model = engine, speculative, k, model
         self.lock = threading.Lock()
         self.drafts, self.accepted = [0, 0], [0, 0]  # per data-parallel engine
         self.per_pos = [[0] * k, [0] * k]
@@ -50,6 +51,9 @@ class FakeSpecServer(LoopbackServer):
 
         class Handler(QuietHandler):
             def do_GET(self):
+                if self.path == "/v1/models":  # both engines: the OpenAI model list names what is served
+                    body = {"object": "list", "data": [{"id": server.model, "object": "model"}]}
+                    return self.reply(200, json.dumps(body).encode())
                 if self.path != "/metrics" or server.engine != "vllm":
                     return self.reply(404, b"not found", "text/plain")
                 return self.reply(200, server.metrics().encode(), "text/plain; version=0.0.4")

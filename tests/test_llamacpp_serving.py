@@ -186,3 +186,33 @@ def test_target_gguf_choice_follows_the_eval_keys(tmp_path):
     assert target_gguf_choice("", SMOLLM2, "f32", "q8_0") == (None, "f32")
     assert target_gguf_choice("", "tiny-random-llama", "", "q8_0") == (None, "q8_0")
     assert target_gguf_choice("", "tiny-random-llama", "f16", "q8_0") == (None, "f16")
+
+
+def test_one_server_at_a_time_reports_what_the_paired_run_reports(served, tmp_path):
+    """eval.server_pass: the base llama-server alone (`--pass base`), stopped; then the speculative one alone
+    (`--pass spec`), which writes the report. The same drafter, K and slots as `served`'s paired run: τ, the
+    drafts counted and the outputs at each level must be the paired run's (greedy, so equal up to near-ties);
+    a pass killed after its first level reruns only the other."""
+    cfg, run_dir, prompts, paired = served
+    target, gguf = served_ggufs(run_dir)
+    binary, out = server_binary(cache_root(cfg)), tmp_path / "eval"
+    flags = ["--config", "configs/tiny-random-llama.yaml", "--run-dir", str(run_dir), "--engine", "server",
+             "--server-type", "llamacpp", "--prompts", str(prompts), "--out", str(out), "eval.draft_steps=3",
+             "eval.max_new_tokens=16", "eval.max_prompts=12"]
+    with LlamaServer(binary, target, parallel=2) as url:
+        run_stage("eval", *flags, "--pass", "base", "--base", url, "--concurrency", "1")
+        first = json.loads((out / "passes/base.json").read_text())
+        run_stage("eval", *flags, "--pass", "base", "--base", url, "--concurrency", "1,2")
+    base = json.loads((out / "passes/base.json").read_text())
+    assert base["levels"]["1"] == first["levels"]["1"] and list(base["levels"]) == ["1", "2"]  # level 1 kept
+    assert not (out / "report.json").exists() and base["models"]  # no report until both passes ran
+    with LlamaServer(binary, target, gguf, k=3, parallel=2) as url:
+        run_stage("eval", *flags, "--pass", "spec", "--spec", url, "--concurrency", "1,2")
+    report = json.loads((out / "report.json").read_text())
+    assert report["server"]["one_server_at_a_time"]["base"]["server"]["models"] == base["models"]
+    for ours, theirs in zip(report["server"]["levels"], paired["server"]["levels"], strict=True):
+        assert ours["concurrency"] == theirs["concurrency"] and ours["outputs_equal"] == theirs["outputs_equal"]
+        assert ours["acceptance_length"] == pytest.approx(theirs["acceptance_length"], rel=0.03)
+        assert ours["verifications"] == pytest.approx(theirs["verifications"], rel=0.05)
+    assert report["outputs_match_baseline"] == paired["outputs_match_baseline"]
+    assert "one at a time" in (out / "report.md").read_text()

@@ -92,3 +92,38 @@ def test_sglang_window_refuses_a_server_without_speculation():
                          )["acceptance_length"] == 2.0
     with pytest.raises(ValueError, match="no spec_verify_ct"):
         sglang_window([{"completion_tokens": 10}])
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_one_server_at_a_time_gives_the_paired_runs_counts(engine, tmp_path):
+    """--pass base against the base double alone, then --pass spec against the speculative one alone: the report
+    has the engine's own counts as a paired run has them, and each pass names its server's model."""
+    flags = ["--config", "configs/tiny-random-llama.yaml", "--run-dir", str(tmp_path / "run"), "--engine", "server",
+             "--server-type", engine, "--prompts", str(ROOT / "tests/data/mt_bench_3.jsonl"), "--max-new-tokens",
+             str(N), "--concurrency", "1,3", "--out", str(tmp_path / "eval"), f"eval.draft_steps={K}"]
+    with FakeSpecServer(engine, False, K) as base:
+        run_stage("eval", *flags, "--pass", "base", "--base", base.url)
+    assert not (tmp_path / "eval/report.json").exists()
+    with FakeSpecServer(engine, True, K) as spec:
+        run_stage("eval", *flags, "--pass", "spec", "--spec", spec.url)
+    r = json.loads((tmp_path / "eval/report.json").read_text())
+    tau, per_pos = expected(3)
+    assert r["outputs_match_baseline"] is True and [lv["concurrency"] for lv in r["server"]["levels"]] == [1, 3]
+    for lv in r["server"]["levels"]:
+        want = tau if engine == "vllm" else N / len(rounds(N, K))
+        assert lv["acceptance_length"] == pytest.approx(want) and lv["outputs_equal"] == 3
+    assert r["server"]["one_server_at_a_time"]["spec"]["server"]["models"] == ["/models/target"]
+
+
+def test_passes_of_two_different_targets_are_not_combined(tmp_path):
+    flags = ["--config", "configs/tiny-random-llama.yaml", "--run-dir", str(tmp_path / "run"), "--engine", "server",
+             "--server-type", "vllm", "--prompts", str(ROOT / "tests/data/mt_bench_3.jsonl"), "--max-new-tokens",
+             str(N), "--concurrency", "1", "--out", str(tmp_path / "eval")]
+    with FakeSpecServer("vllm", False, K) as base:
+        run_stage("eval", *flags, "--pass", "base", "--base", base.url)
+    with FakeSpecServer("vllm", True, K, model="/models/another") as spec:
+        proc = run_stage("eval", *flags, "--pass", "spec", "--spec", spec.url, check=False)
+    assert proc.returncode == 1 and "both passes must run the same target" in proc.stderr.splitlines()[-1]
+    assert not (tmp_path / "eval/report.json").exists()
+    proc = run_stage("eval", *flags, "--pass", "spec", check=False)  # a pass needs its server's URL
+    assert proc.returncode == 1 and "give --spec URL" in proc.stderr.splitlines()[-1]
