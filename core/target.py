@@ -234,22 +234,16 @@ def text_model_config(cfg: RunConfig):
                         f"transformers class ({e})") from None
 
 
-def _meta_text_model(cfg: RunConfig, text_cfg):
-    """The language model built on the meta device: its structure, no memory."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"), _remote_code_guard(cfg, "model"):
-        return AutoModelForCausalLM.from_config(text_cfg, trust_remote_code=cfg.target.trust_remote_code)
-
-
 @dataclass(frozen=True)
 class WeightNames:
-    """Checkpoint names of the tensors a drafter borrows, found from the model's own structure (its input and
-    output embeddings, its decoder's final norm) and the checkpoint's prefix for the language model."""
-    prefix: str  # "" (Llama, Qwen) or "language_model." (Kimi-K2.5's wrapper)
+    """Checkpoint names of the tensors a drafter borrows, found in the checkpoint's own index: the language
+    model's prefix ("" for Llama/Qwen, "language_model." for Kimi-K2.5's wrapper) is where a decoder's
+    `model.embed_tokens.weight` sits; the head and the final norm sit beside it. Read without importing a
+    model class (train's start stays as fast as before)."""
+    prefix: str
     embed: str
     lm_head: str  # == embed when tied
-    norm: str
+    norm: str  # "" when the checkpoint has none
     files: tuple[str, ...]
 
 
@@ -271,25 +265,24 @@ def checkpoint_files(path: Path) -> dict[str, str]:
     return out
 
 
-def weight_names(cfg: RunConfig, text_cfg=None) -> WeightNames:
+def weight_names(cfg: RunConfig) -> WeightNames:
     path = resolve_target(cfg)
-    model = _meta_text_model(cfg, text_cfg or text_model_config(cfg))
-    names: dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), n)  # a tied head keeps the embedding's (first) name
-    embed = names[id(model.get_input_embeddings().weight)]
-    head = model.get_output_embeddings()
-    lm_head = names[id(head.weight)] if head is not None else embed
-    decoder_norm = getattr(model.get_decoder(), "norm", None)
-    norm = names.get(id(decoder_norm.weight), "") if decoder_norm is not None else ""
     weights = checkpoint_files(path)
-    prefixes = sorted({k[: -len(embed)] for k in weights if k.endswith(embed)}, key=len)
-    if not prefixes:
-        raise UserError(f"{path}: no tensor named *{embed} in its safetensors (the {type(model).__name__} input "
-                        "embedding)")
+    embed = "model.embed_tokens.weight"
+    prefixes = [k[: -len(embed)] for k in weights if k.endswith(embed)]
+    if len(prefixes) > 1:  # e.g. a second decoder inside a wrapper: the language model is the one with a norm
+        prefixes = [p for p in prefixes if p + "model.norm.weight" in weights]
+    if len(prefixes) != 1:
+        raise UserError(f"{path}: {'no' if not prefixes else 'more than one'} *{embed} in its safetensors "
+                        f"({prefixes or 'a decoder-only language model names its input embedding so'})")
     p = prefixes[0]
-    return WeightNames(p, p + embed, p + lm_head if p + lm_head in weights else p + embed,
-                       p + norm if norm and p + norm in weights else "", tuple(sorted(set(weights.values()))))
+    tied = read_target_config(path).get("tie_word_embeddings", False)
+    head = p + "lm_head.weight" if p + "lm_head.weight" in weights else (p + embed if tied else "")
+    if not head:
+        raise UserError(f"{path}: no {p}lm_head.weight in its safetensors and config.json does not tie it to the "
+                        "embedding (tie_word_embeddings)")
+    norm = p + "model.norm.weight"
+    return WeightNames(p, p + embed, head, norm if norm in weights else "", tuple(sorted(set(weights.values()))))
 
 
 def load_target(cfg: RunConfig, device: torch.device | None = None):
@@ -313,7 +306,7 @@ def load_target(cfg: RunConfig, device: torch.device | None = None):
 
     check_target_fits(cfg, device)
     text_cfg = text_model_config(cfg)
-    prefix = weight_names(cfg, text_cfg).prefix
+    prefix = weight_names(cfg).prefix
     with _remote_code_guard(cfg, "model"):
         model, info = AutoModelForCausalLM.from_pretrained(
             path, config=text_cfg, local_files_only=True, dtype=resolve_dtype(cfg.target.dtype), use_safetensors=True,
@@ -347,7 +340,7 @@ class TargetHead:
 
 def load_target_embeddings(cfg: RunConfig) -> TargetHead:
     """Read the embedding, lm_head and final norm straight from the target's safetensors (no full load),
-    under the names the model's own structure gives them (`weight_names`)."""
+    under the names its checkpoint index gives them (`weight_names`)."""
     from safetensors import safe_open
 
     path = resolve_target(cfg)
