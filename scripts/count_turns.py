@@ -23,10 +23,12 @@ from core.chat import fitting_prompts, prompt_ids  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.prompts import Prompt, load_prompts  # noqa: E402
 from core.target import load_tokenizer  # noqa: E402
+from data_gen.chat_tokenize import ThinkingStyle  # noqa: E402
 from data_gen.conversation import regenerations, replay_turns  # noqa: E402
 from data_gen.openai_client import Reply  # noqa: E402
 
 EMPTY = Reply(content="", reasoning="", finish_reason="stop", completion_tokens=0)
+NO_THINKING = ThinkingStyle(mode="drop", template_renders=False, prompt_opens=False)
 
 
 def request_lengths(prompt: Prompt, tok, dg, stop_above: int) -> list[int]:
@@ -34,7 +36,7 @@ def request_lengths(prompt: Prompt, tok, dg, stop_above: int) -> list[int]:
     conv, lengths = regenerations(prompt, dg.max_turns, 1, None)[0], []
     while (req := conv.next_request()) is not None and (not lengths or lengths[-1] <= stop_above):
         lengths.append(len(prompt_ids(tok, req, dg.chat_template_kwargs)))
-        conv.add_reply(EMPTY, "drop", False)
+        conv.add_reply(EMPTY, NO_THINKING)
     return lengths
 
 

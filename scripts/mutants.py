@@ -16,7 +16,8 @@ groups), P1-P3 data_gen's pool of requests across parts (full `hf` calls), P4-P5
 (core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
 sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights),
 E1-E2 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter), R1-R3 the eager TTT
-steps pruned to the rows a later step counts (TTTObjective's prune_rows).
+steps pruned to the rows a later step counts (TTTObjective's prune_rows), KM1-KM6 issue 48's Kimi-K2.5 failures
+put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ WORLD = ("tests/test_resume.py::test_two_processes_stop_and_one_process_finishes
 SAMPLING = ("tests/test_speculative_modes.py::test_speculative_sampling_at_t1_keeps_the_target_distribution",)
 FAST = ("tests/test_ttt_fast_paths.py",)
 PACKING = ("tests/test_packing.py",)
+KIMI = ("tests/test_kimi_chain.py",)
 NORM_FC = ("tests/test_drafter.py",)
 TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_output",)
 ONLINE = ("tests/test_train_online.py",)
@@ -283,6 +285,22 @@ MUTANTS = [
     Mutant("D2", "backend dataset cuts an answer inside a character (no step back to whole characters)",
            "data_gen/dataset_backend.py", "            n -= 1  # the cut", "            break  # the cut",
            (DATASET + "test_max_new_tokens_cuts_an_answer_and_flags_it_length",)),
+    Mutant("KM1", "the tokenizer loads without the model dir's remote code", "core/target.py",
+           "        tok = AutoTokenizer.from_pretrained(resolve_target(cfg), local_files_only=True,\n"
+           "                                            trust_remote_code=cfg.target.trust_remote_code)",
+           "        tok = AutoTokenizer.from_pretrained(resolve_target(cfg), local_files_only=True)", KIMI),
+    Mutant("KM2", "the embedding is looked up under Llama's name, not the checkpoint's prefix", "core/target.py",
+           "    return WeightNames(p, p + embed,", "    return WeightNames(p, embed,", KIMI),
+    Mutant("KM3", "a generation prompt that opened <think> is ignored (the thinking lands in content)",
+           "data_gen/chat_tokenize.py", "    if prompt_opens:\n", "    if False:\n", KIMI),
+    Mutant("KM4", "Kimi's config keeps thinking beside the answer, untrained", "configs/kimi-k2.5.yaml",
+           "  reasoning: render ", "  reasoning: field ", KIMI),
+    Mutant("KM5", "one-server passes are combined whatever models their servers served", "eval/server_passes.py",
+           '    if base["models"] != spec["models"]:', "    if False:",
+           ("tests/test_server_eval.py::test_passes_of_two_different_targets_are_not_combined",)),
+    Mutant("KM6", "the exported config.json's head_dim is not the one the tensors were built with",
+           "core/drafter_config.py", '"head_dim": self.head_dim,', '"head_dim": 2 * self.head_dim,',
+           ("tests/test_target_configs.py::test_full_size_export_loads_in_sglang_with_every_shape",)),
 ]
 
 

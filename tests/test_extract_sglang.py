@@ -190,14 +190,17 @@ def test_launcher_refuses_flags_that_break_capture_and_sets_watchdog_and_plugins
     env = {**os.environ, "PATH": f"{shim.parent}:{os.environ['PATH']}", "SGLANG_PLUGINS": "other"}
     run = tmp_path / "run"
 
-    def launch(*flags):
+    def launch(*flags, overrides=()):
         return subprocess.run(["bash", str(ROOT / "scripts/launch_sglang_extract.sh"), TINY, f"run_dir={run}",
-                               "extract.request_timeout=100", "--", *flags], cwd=ROOT, env=env,
+                               "extract.request_timeout=100", *overrides, "--", *flags], cwd=ROOT, env=env,
                               capture_output=True, text=True)
 
     ok = launch("--tp", "2", "--attn-cp-size", "1")
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "--watchdog-timeout 400 --tp 2" in ok.stdout and "PLUGINS other,eagle3_hidden_dump" in ok.stdout
+    assert "--trust-remote-code" not in ok.stdout
+    remote = launch("--tp", "2", overrides=["target.trust_remote_code=true"])  # Kimi-K2.5's tokenizer needs it
+    assert remote.returncode == 0 and " --trust-remote-code --port " in remote.stdout, remote.stderr[-2000:]
     bad = launch("--allow-auto-truncate")
     assert bad.returncode != 0 and "truncated prompt" in bad.stderr and "ARGS" not in bad.stdout, bad.stderr[-500:]
     for flags, said in ((["--attn-cp-size", "2"], "--attn-cp-size > 1"),
@@ -213,7 +216,7 @@ def test_launcher_flags_exist_in_sglang():
     """Every flag the launcher sets or refuses is a 0.5.23 server field (flag = "--" + name with - for _)."""
     fields = "".join(p.read_text() for p in (sglang_root() / "srt/arg_groups/fields").glob("*.py"))
     for name in ("attn_cp_size", "enable_two_batch_overlap", "disaggregation_mode", "allow_auto_truncate",
-                 "enable_hierarchical_cache", "disable_radix_cache", "watchdog_timeout"):
+                 "enable_hierarchical_cache", "disable_radix_cache", "watchdog_timeout", "trust_remote_code"):
         assert f"\n    {name}: " in fields, name
     assert 'return "--" + name.replace("_", "-")' in (sglang_root() / "srt/arg_groups/arg_utils.py").read_text()
     assert "    ] = 300\n" in fields.split("watchdog_timeout: ")[1][:400]  # SGLANG_DEFAULT_WATCHDOG_S
