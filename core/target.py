@@ -9,10 +9,12 @@ Anything else must be a local HF model dir. Nothing is ever downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,21 +169,17 @@ def target_info(cfg: RunConfig) -> TargetInfo:
     return TargetInfo(path, c["model_type"], c["num_hidden_layers"], c["hidden_size"], c["vocab_size"])
 
 
+@contextlib.contextmanager
 def _remote_code_guard(cfg: RunConfig, what: str):
-    """Run a transformers load; the error transformers raises for a dir whose code it may not run becomes
-    one line naming target.trust_remote_code."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def guard():
-        try:
-            yield
-        except ValueError as e:
-            if "trust_remote_code" not in str(e) or cfg.target.trust_remote_code:
-                raise
-            raise UserError(f"target.model = {cfg.target.model!r}: its {what} is Python code shipped in the model dir "
-                            "(auto_map); set target.trust_remote_code=true to run it") from None
-    return guard()
+    """Around a transformers load: the error it raises for a dir whose code it may not run becomes one line
+    naming target.trust_remote_code."""
+    try:
+        yield
+    except ValueError as e:
+        if "trust_remote_code" not in str(e) or cfg.target.trust_remote_code:
+            raise
+        raise UserError(f"target.model = {cfg.target.model!r}: its {what} is Python code shipped in the model dir "
+                        "(auto_map); set target.trust_remote_code=true to run it") from None
 
 
 def _refuse_remote_tokenizer(cfg: RunConfig, path: Path) -> None:
@@ -290,8 +288,6 @@ def load_target(cfg: RunConfig, device: torch.device | None = None):
     language model alone, its checkpoint prefix stripped. Decode steps (one query token) attend through
     core/decode_attention.py; every other call through transformers' SDPA. On a CPU, fp32 products of few
     rows run split across the threads (core/cpu_linear.py)."""
-    import re
-
     from transformers import AutoModelForCausalLM
 
     from core.cpu_linear import split_cpu_linears
