@@ -18,9 +18,10 @@ import yaml
 from core.errors import UserError
 
 
-def _f(default, help: str, ge=None, gt=None, le=None):
-    """A config field with its help text and its range (ge/gt/le; for a list, of every item)."""
-    meta = {"help": help, "ge": ge, "gt": gt, "le": le}
+def _f(default, help: str, ge=None, gt=None, le=None, choices: tuple | None = None):
+    """A config field with its help text, its range (ge/gt/le; for a list, of every item) and, for an enum, its
+    choices: all checked when the config loads, so `--dry-run` refuses what a stage would refuse later."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -29,7 +30,8 @@ def _f(default, help: str, ge=None, gt=None, le=None):
 @dataclass
 class TargetConfig:
     model: str = _f("smollm2-135m-instruct", "alias of an embedded model, or a local HF model dir")
-    dtype: str = _f("float32", "float32 | bfloat16 | float16 (use float32 on CPU: bf16 matmul is slow there)")
+    dtype: str = _f("float32", "float32 | bfloat16 | float16 (use float32 on CPU: bf16 matmul is slow there)",
+                    choices=('float32', 'bfloat16', 'float16'))
     device: str = _f("auto", "auto | cpu | cuda | cuda:N")
     trust_remote_code: bool = _f(False, "run the Python code a model dir ships (its auto_map: Kimi-K2.5's tokenizer) "
                                         "in every tokenizer, config and model load, and pass --trust-remote-code "
@@ -39,10 +41,11 @@ class TargetConfig:
 @dataclass
 class DataGenConfig:
     backend: str = _f("hf", "hf (in-process target) | openai (any OpenAI-compatible server: SGLang, vLLM, "
-                            "llama.cpp, OpenRouter) | dataset (the source's own answers, nothing generated)")
+                            "llama.cpp, OpenRouter) | dataset (the source's own answers, nothing generated)",
+                      choices=('hf', 'openai', 'dataset'))
     prompts: str = _f("sharegpt", "sharegpt (embedded ShareGPT V3) or a .json/.jsonl file of prompts")
     on_bad_record: str = _f("strict", "strict (first bad record in a prompt file is an error naming file:line) "
-                                      "| skip (skipped and counted by reason)")
+                                      "| skip (skipped and counted by reason)", choices=('strict', 'skip'))
     num_samples: int = _f(256, "conversations to regenerate (taken from the train split)", ge=1)
     heldout_percent: float = _f(2.0, "percent of prompt ids held out for eval (split by id hash)", ge=0, le=100)
     max_turns: int = _f(1, "user turns regenerated per conversation: 1 = first turn, 0 = all", ge=0)
@@ -52,7 +55,8 @@ class DataGenConfig:
                               "self_prompts.jsonl); more distinct prompts than a dataset holds", ge=0)
     self_prompt_temperature: float = _f(1.0, "sampling temperature of those user turns", gt=0)
     reasoning: str = _f("drop", "reasoning/<think> text: drop | field (stored, not trained on) | "
-                                "render (trained on, with the template's thinking markup)")
+                                "render (trained on, with the template's thinking markup)",
+                        choices=('drop', 'field', 'render'))
     end_of_turn: list[str] = _f([], "strings that end an assistant turn (default: the tokenizer's eos tokens)")
     chat_template_kwargs: dict = _f({}, "extra chat-template variables, e.g. {enable_thinking: false}")
     max_prompt_tokens: int = _f(256, "conversations whose templated first turn is longer are skipped, with a count", ge=1)
@@ -66,12 +70,14 @@ class DataGenConfig:
     request_seed: int | None = _f(None, "seed sent with every request (openai backend; +j for answer j)")
     batch_size: int = _f(16, "prompts generated together (hf backend)", ge=1)
     mixed_precision: str = _f("no", "auto | no | bf16: prompt prefill under bf16 autocast and decode steps with a "
-                                    "bf16 copy of the weights (hf backend); auto = where the device has native bf16")
+                                    "bf16 copy of the weights (hf backend); auto = where the device has native bf16",
+                              choices=('auto', 'no', 'bf16'))
     compile: str = _f("auto", "auto | yes | no | fused | exact: replay each decode step as a CUDA graph (hf "
                               "backend; the same kernels, so the same tokens, hundreds of launches fewer); auto = "
                               "on CUDA; fused = torch.compile the step first (its small kernels fused; bf16 tokens "
                               "may differ from the eager loop's by rounding), as a graph on CUDA; exact = fuse only "
-                              "what rounds as eager does (norms, SiLU, RoPE tables stay ATen's)")
+                              "what rounds as eager does (norms, SiLU, RoPE tables stay ATen's)",
+                      choices=('auto', 'yes', 'no', 'fused', 'exact'))
     part_samples: int = _f(64, "samples per committed parquet part (resume granularity)", ge=1)
     base_url: str = _f("", "server root incl. /v1, e.g. http://127.0.0.1:30000/v1 (openai backend)")
     model_name: str = _f("", "model name sent to the server (default: target.model)")
@@ -85,7 +91,8 @@ class DataGenConfig:
 
 @dataclass
 class ExtractConfig:
-    engine: str = _f("hf", "hf (in-process target) | sglang (a server started by scripts/launch_sglang_extract.sh)")
+    engine: str = _f("hf", "hf (in-process target) | sglang (a server started by scripts/launch_sglang_extract.sh)",
+                     choices=('hf', 'sglang'))
     server_url: str = _f("http://127.0.0.1:30000", "sglang engine: the server's root URL")
     dump_dir: str = _f("", "sglang engine: the server's EAGLE3_DUMP_DIR (default <run>/dumps)")
     max_inflight: int = _f(8, "sglang engine: requests in flight", ge=1)
@@ -95,11 +102,14 @@ class ExtractConfig:
     batch_tokens: int = _f(4096, "token budget of one forward batch", ge=1)
     shard_mb: int = _f(256, "approximate size of one shard file", ge=0)
     dtype: str = _f("bfloat16", "storage of aux/final: bfloat16 | float32 | fp8_e4m3 (one fp32 scale per token "
-                                "and layer: ~0.5x the bytes of bfloat16)")
+                                "and layer: ~0.5x the bytes of bfloat16)",
+                    choices=('bfloat16', 'float32', 'fp8_e4m3'))
     spans: str = _f("all", "all | loss: final rows only where the loss reads a teacher target (aux stays on "
-                           "every token: the drafter attends over the prompt); `python -m extract stats` shows bytes")
+                           "every token: the drafter attends over the prompt); `python -m extract stats` shows bytes",
+                    choices=('all', 'loss'))
     mixed_precision: str = _f("no", "auto | no | bf16: run the target's matmuls under bf16 autocast (residual "
-                                    "stream stays fp32; 3.4x faster prefill on AMX CPUs); auto = where native")
+                                    "stream stays fp32; 3.4x faster prefill on AMX CPUs); auto = where native",
+                              choices=('auto', 'no', 'bf16'))
 
 
 @dataclass
@@ -109,7 +119,8 @@ class TrainConfig:
     draft_vocab_size: int = _f(8192, "rows of the draft lm_head (top tokens by frequency)", ge=1)
     source: str = _f("offline", "offline (hidden shards written by extract) | online (the target runs in the training "
                                 "process on each batch, captured as extract would from the conversations: no shards "
-                                "on disk, one target forward per batch per epoch)")
+                                "on disk, one target forward per batch per epoch)",
+                     choices=('offline', 'online'))
     epochs: int = _f(4, "passes over the training data", ge=1)
     batch_size: int = _f(4, "samples per micro-batch (per process)", ge=1)
     grad_accum: int = _f(1, "micro-batches per optimizer step", ge=1)
@@ -136,15 +147,17 @@ class TrainConfig:
                                      "SGLang 0.5.23 and llama.cpp b11434 read")
     init_lm_head_from_target: bool = _f(True, "start lm_head (and norm) from the target's rows of the draft vocab")
     freeze_lm_head: bool = _f(False, "keep that lm_head fixed (fewer trainable parameters for small data)")
-    wandb_mode: str = _f("offline", "offline | online | disabled")
+    wandb_mode: str = _f("offline", "offline | online | disabled", choices=('offline', 'online', 'disabled'))
     wandb_project: str = _f("eagle3", "W&B project")
     mixed_precision: str = _f("auto", "auto | no | bf16; auto = bf16 on GPUs and on CPUs with native bf16 "
-                                      "(AVX512-BF16/AMX), fp32 elsewhere (bf16 is ~200x slower there)")
+                                      "(AVX512-BF16/AMX), fp32 elsewhere (bf16 is ~200x slower there)",
+                              choices=('auto', 'no', 'bf16'))
     attention: str = _f("auto", "auto | dense | flex | flash | cudnn: TTT attention; flex (CUDA) never builds a [T,T] "
                                 "matrix; flash = a causal FlashAttention kernel plus the diagonal terms merged by "
                                 "log-sum-exp, cudnn = the same with cuDNN's fused attention (CUDA; the faster one on "
                                 "Hopper) (both checked against dense on the device before training: train/flash_check.py; "
-                                "not with pack_length); auto = flex on CUDA, dense elsewhere")
+                                "not with pack_length); auto = flex on CUDA, dense elsewhere",
+                        choices=('auto', 'dense', 'flex', 'flash', 'cudnn'))
     pack_length: int = _f(0, "> 0: pack each micro-batch's samples into rows of exactly this many tokens, several "
                              "documents per row, kept apart by a document mask (static shapes, little padding; trains "
                              "what the padded batch trains); must be >= train.max_len; 0 = right-padded batches", ge=0)
@@ -153,7 +166,8 @@ class TrainConfig:
     compile: str = _f("auto", "auto | yes | no | unroll: torch.compile the TTT step's layer (fuses norms, RoPE, "
                               "SiLU), one graph per step; unroll = all K steps as one graph (weights cast once, "
                               "their K gradients summed inside it: 1.09-1.23x yes's tokens/s on an H200, less "
-                              "memory); auto = unroll on CUDA, no on CPU")
+                              "memory); auto = unroll on CUDA, no on CPU",
+                      choices=('auto', 'yes', 'no', 'unroll'))
     tau_every: int = _f(0, "optimizer steps between τ measurements (eval's hf engine on the drafter as exported, "
                            "greedy chain of K = eval.draft_steps, on eval's prompts), also at the last step; "
                            "logged with loss_k / acc_k; 0 = off", ge=0)
@@ -188,32 +202,31 @@ class EvalConfig:
     temperature: float = _f(0.0, "0 = greedy (outputs must equal the baseline's); > 0 = speculative sampling, "
                                  "chain only (hf engine), outputs follow the target's distribution", ge=0)
     engine: str = _f("hf", "hf (our decode engine, in-process) | llamacpp (our drafter converted and served by two "
-                           "llama-servers on loopback, beside the hf engine) | server (any base + spec server)")
+                           "llama-servers on loopback, beside the hf engine) | server (any base + spec server)",
+                     choices=('hf', 'llamacpp', 'server'))
     concurrency: list[int] = _f([1, 4], "requests in flight, one measurement per level (server engines)", ge=1)
-    server_type: str = _f("llamacpp", "llamacpp | vllm | sglang: how engine=server asks and counts (server engine)")
+    server_type: str = _f("llamacpp", "llamacpp | vllm | sglang: how engine=server asks and counts (server engine)",
+                          choices=('llamacpp', 'vllm', 'sglang'))
     server_pass: str = _f("both", "both (base and speculative servers up together, taking turns) | base | spec: one "
                                   "server at a time (a target two copies of which don't fit a node): each pass "
-                                  "kept in <out>/passes/, the second one writes the report (server engine)")
+                                  "kept in <out>/passes/, the second one writes the report (server engine)",
+                          choices=('both', 'base', 'spec'))
     base_url: str = _f("", "base server root, e.g. http://127.0.0.1:8080 (server engine)")
     spec_url: str = _f("", "speculative server root (server engine)")
-    gguf_outtype: str = _f("f32", "f32 | f16 | q8_0: the drafter GGUF (and a converted target GGUF) for llamacpp")
+    gguf_outtype: str = _f("f32", "f32 | f16 | q8_0: the drafter GGUF (and a converted target GGUF) for llamacpp",
+                           choices=GGUF_OUTTYPES)
     target_gguf: str = _f("", "target GGUF for llamacpp (default: the embedded Q4_1 file for SmolLM2, else the "
                               "target converted by llama.cpp's converter into the eval dir)")
     target_outtype: str = _f("", "when target_gguf is unset: f32 | f16 | bf16 | q8_0 converts the target at this "
                                  "type for llamacpp instead of the default above (on a CPU a drafter pays against an "
-                                 "unquantized target, whose tokens are bound by reading weights: docs/PERFORMANCE.md)")
+                                 "unquantized target, whose tokens are bound by reading weights: docs/PERFORMANCE.md)",
+                             choices=("", *GGUF_OUTTYPES))
 
     def __post_init__(self):
-        """Checked here, not after the whole HF eval: p_min's setting, and outtypes llama.cpp's converter takes."""
-        if self.server_pass not in ("both", "base", "spec"):
-            raise UserError(f"eval.server_pass = {self.server_pass!r}: must be one of 'both' | 'base' | 'spec'")
+        """Checked here, not after the whole HF eval: p_min's setting."""
         if self.draft_p_min > 0 and (self.draft_tree or self.temperature > 0 or self.engine == "server"):
             raise UserError(f"eval.draft_p_min = {self.draft_p_min}: it stops a greedy chain (eval.temperature 0, no "
                             "eval.draft_tree) in the hf and llamacpp engines; for engine=server set the server's own flag")
-        for key, allowed in (("gguf_outtype", GGUF_OUTTYPES), ("target_outtype", ("", *GGUF_OUTTYPES))):
-            if getattr(self, key) not in allowed:
-                raise UserError(f"eval.{key} = {getattr(self, key)!r}: must be one of {' | '.join(map(repr, allowed))} "
-                                "(llama.cpp's convert_hf_to_gguf.py --outtype)")
 
 
 @dataclass
@@ -294,6 +307,9 @@ def check_ranges(cfg, where: str = ""):
         if dataclasses.is_dataclass(value):
             check_ranges(value, key)
             continue
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise UserError(f"{key} = {value!r}: must be one of {' | '.join(map(repr, choices))}")
         ge, gt, le = (f.metadata.get(b) for b in ("ge", "gt", "le"))
         for v in value if isinstance(value, list) else [value]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and (

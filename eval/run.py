@@ -127,8 +127,6 @@ def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, o
     set_flags = {key: value for key, value in overrides.items() if value is not None}
     cfg = dataclasses.replace(cfg, eval=check_ranges(dataclasses.replace(cfg.eval, **set_flags), "eval"))
     ev = cfg.eval  # the caller's config is left as it was; CLI flags are checked like config values
-    if ev.engine not in ENGINES:
-        raise UserError(f"eval.engine must be one of {ENGINES}, got {ev.engine!r}")
     if ev.draft_tree and len(ev.draft_tree) != 3:
         raise UserError(f"eval.draft_tree must be [depth, topk, total] (or [] for a chain), got {ev.draft_tree}")
     if ev.draft_tree:

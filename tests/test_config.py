@@ -5,7 +5,7 @@ import re
 import pytest
 
 from core.config import TrainConfig, check_ranges, describe, load_config
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, run_stage
 
 
 def test_default_config_loads_and_overrides_apply():
@@ -130,3 +130,29 @@ def test_threads_come_from_the_key_then_omp_num_threads_then_the_idle_cores(monk
             busy.wait()
     finally:
         torch.set_num_threads(before)
+
+
+def enum_keys() -> list[tuple[str, tuple]]:
+    """Every config key declared with choices, as (dotted key, choices)."""
+    from core.config import RunConfig
+
+    out = []
+    for section in dataclasses.fields(RunConfig):
+        cls = type(getattr(RunConfig(), section.name))
+        if dataclasses.is_dataclass(cls):
+            out += [(f"{section.name}.{f.name}", f.metadata["choices"]) for f in dataclasses.fields(cls)
+                    if f.metadata.get("choices")]
+    return out
+
+
+def test_every_enum_of_the_config_is_declared():
+    assert len(enum_keys()) == 20 and ("train.attention", ("auto", "dense", "flex", "flash", "cudnn")) in enum_keys()
+
+
+@pytest.mark.parametrize("key, choices", enum_keys(), ids=[k for k, _ in enum_keys()])
+def test_a_bad_enum_value_is_refused_by_dry_run_naming_the_key_and_its_choices(key, choices):
+    stage = key.split(".")[0] if key.split(".")[0] in ("data_gen", "extract", "train", "eval") else "train"
+    proc = run_stage(stage, "--config", "configs/tiny-random-llama.yaml", "--dry-run", f"{key}=flsh", check=False)
+    assert proc.returncode == 2, proc.stderr[-500:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert f"{key} = 'flsh': must be one of " + " | ".join(map(repr, choices)) in line

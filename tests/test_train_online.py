@@ -113,7 +113,7 @@ def test_switching_source_on_a_run_is_refused(runs):
     with pytest.raises(UserError, match=r"other settings: .*online: None -> .*cannot be resumed"):
         train(tiny(offline.run_path, "train.source=online"))
     assert (offline.run_path / "drafter/model.safetensors").read_bytes() == before
-    with pytest.raises(UserError, match=r"train.source = 'shards': must be one of offline \| online"):
+    with pytest.raises(UserError, match=r"train.source = 'shards': must be one of 'offline' \| 'online'"):
         train(tiny(offline.run_path, "train.source=shards"))
 
 
