@@ -191,3 +191,16 @@ def served_by_llamacpp(cache: Path, target_dir: Path, draft_dir: Path, work_dir:
     with (LlamaServer(binary, target, parallel=parallel) as base,
           LlamaServer(binary, target, draft_gguf, k=k, parallel=parallel, p_min=p_min) as spec):
         yield base, spec
+
+
+@contextlib.contextmanager
+def embedded_target_server(gguf: Path | None = None, n_ctx: int = 4096, threads: int | None = None, parallel: int = 4):
+    """A llama-server of the embedded SmolLM2 GGUF (or `gguf`) on a free loopback port with `parallel` slots and
+    `threads` compute threads (None: $OMP_NUM_THREADS, else 2; server_threads); yields its /v1 base URL: what
+    data_gen's openai backend is pointed at (scripts/llamacpp_server.py)."""
+    from core.config import load_config
+    from core.target import cache_root, embedded_gguf_path
+
+    binary = server_binary(cache_root(load_config(None)))
+    with LlamaServer(binary, gguf or embedded_gguf_path(), threads=threads, parallel=parallel, ctx=n_ctx) as url:
+        yield f"{url}/v1"

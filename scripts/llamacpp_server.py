@@ -3,7 +3,8 @@
     python scripts/llamacpp_server.py                    # then: data_gen.base_url=<the printed URL>
     python scripts/llamacpp_server.py --build-only       # `make llamacpp`: fetch + build once, print the binary
 
-Used by the data_gen integration test and scripts/bench_data_gen_server.py. The binary is the one
+The server is eval.llamacpp_server.embedded_target_server (the data_gen tests and
+bench/bench_data_gen_server.py start it too). The binary is the one
 `make llamacpp` builds into the model cache (eval/llamacpp_server.py: 368 s once on 2 cores).
 """
 
@@ -19,18 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.cli import setup_logging  # noqa: E402
 from core.config import load_config  # noqa: E402
-from core.target import cache_root, embedded_gguf_path  # noqa: E402
-from eval.llamacpp_server import LlamaServer, server_binary  # noqa: E402
-
-
-@contextlib.contextmanager
-def llamacpp_server(gguf: Path | None = None, n_ctx: int = 4096, threads: int | None = None, parallel: int = 4):
-    """A llama-server on a free loopback port with `parallel` slots and `threads` compute threads
-    (None: $OMP_NUM_THREADS, else 2; eval.llamacpp_server.server_threads); yields its /v1 base URL."""
-    binary = server_binary(cache_root(load_config(None)))
-    with LlamaServer(binary, gguf or embedded_gguf_path(), threads=threads, parallel=parallel, ctx=n_ctx) as url:
-        yield f"{url}/v1"
-
+from core.target import cache_root  # noqa: E402
+from eval.llamacpp_server import embedded_target_server, server_binary  # noqa: E402
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,7 +33,7 @@ if __name__ == "__main__":
         setup_logging()
         print(server_binary(cache_root(load_config(None))))
         sys.exit(0)
-    with llamacpp_server(n_ctx=args.n_ctx, parallel=args.parallel) as base_url:
+    with embedded_target_server(n_ctx=args.n_ctx, parallel=args.parallel) as base_url:
         print(f"serving at {base_url} (Ctrl-C stops)", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             while True:

@@ -10,13 +10,13 @@ from core.conversations import read_conversations
 from core.prompts import load_sharegpt
 from core.target import load_tokenizer
 from data_gen.generate import main
-from scripts.llamacpp_server import llamacpp_server
+from eval.llamacpp_server import embedded_target_server
 from tests.conftest import ROOT, masked_spans
 
 
 @pytest.fixture(scope="module")
 def server_url():
-    with llamacpp_server(n_ctx=1024, parallel=4) as url:
+    with embedded_target_server(n_ctx=1024, parallel=4) as url:
         yield url
 
 

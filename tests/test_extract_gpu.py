@@ -3,11 +3,11 @@ copies equal a fresh single-sample forward. Ran on the lent H200 (docs/PERFORMAN
 
 import pytest
 import torch
+from datasets import Dataset
 
 from core.hidden_capture import extract_batch
 from core.hidden_shards import HiddenShards, ShardWriter
 from extract.run import extract_hf
-from scripts.bench_extract import synthetic_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -25,7 +25,11 @@ def test_gpu_shard_rows_equal_a_fresh_forward(tmp_path, dtype, bound):
     cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     model = LlamaForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
-    rows = synthetic_rows(40000, 1024, 1000)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(512, 1025, (48,), generator=g).tolist()  # ~37k tokens
+    rows = Dataset.from_dict({"id": [f"s{i}" for i in range(48)],
+                              "input_ids": [torch.randint(0, 1000, (t,), generator=g).tolist() for t in lengths],
+                              "loss_mask": [[0] * (t // 3) + [1] * (t - t // 3) for t in lengths]})
     with ShardWriter(tmp_path, 256, dtype, shard_mb=4) as w:  # many shards, two in flight
         extract_hf(model, rows, [len(x) for x in rows["input_ids"]], [1, 3, 4], w, Bar(), 8192, "bf16")
     shards = HiddenShards(tmp_path)

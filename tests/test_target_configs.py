@@ -174,7 +174,7 @@ def test_plan_times_only_measured_shapes(tmp_path):
 
 
 # peak GiB of one 8B-shaped step (no AdamW moments; per-step graphs, without / with activation checkpointing),
-# one H200, scripts/bench_train_step.py (docs/PERFORMANCE.md)
+# one H200, bench/bench_train_step.py (docs/PERFORMANCE.md)
 H200_PEAK_GIB = {2048: (11.49, 6.26), 4096: (15.24, 7.66), 8192: (22.25, 10.26), 16384: (36.26, 15.47)}
 
 

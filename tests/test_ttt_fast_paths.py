@@ -1,7 +1,7 @@
 """The fast TTT paths compute the plain reference's function (issue 13): flex attention with the TTT
 block mask and the flash kernel + log-sum-exp merge against the dense [T,T] attention, the fused chunked head loss against plain autograd, and
 activation checkpointing, at 1e-5 in fp32 on random inputs with partial loss masks.
-Flex attention has no backward on CPU, so its gradients are checked on the GPU (scripts/bench_train_step.py)."""
+Flex attention has no backward on CPU, so its gradients are checked on the GPU (bench/bench_train_step.py)."""
 
 import re
 
@@ -303,7 +303,7 @@ def test_flash_checks_itself_against_the_dense_path_and_names_what_is_off(monkey
 
 
 def test_step_benchmark_runs_and_records_a_finite_step(tmp_path):
-    """scripts/bench_train_step.py --smoke (tiny shapes, CPU): the GPU benchmark's own step code runs and writes
+    """bench/bench_train_step.py --smoke (tiny shapes, CPU): the GPU benchmark's own step code runs and writes
     its record, so the script the docs' GPU tables come from cannot rot between device sessions."""
     import json
     import os
@@ -312,7 +312,7 @@ def test_step_benchmark_runs_and_records_a_finite_step(tmp_path):
     from pathlib import Path
 
     out = tmp_path / "step.jsonl"
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_train_step.py"
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_train_step.py"
     subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], check=True, capture_output=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     (rec,) = [json.loads(line) for line in out.read_text().splitlines()]

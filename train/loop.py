@@ -147,7 +147,7 @@ def step_options(tc, device: torch.device) -> dict:
 
 def make_optimizer(params: list[torch.Tensor], tc) -> torch.optim.Optimizer:
     """AdamW over the trainable weights: they are the fp32 masters, or (train.bf16_weights) bf16 weights whose
-    masters the optimizer keeps (scripts/bench_train_step.py --with-optimizer times the same one). Fused (one
+    masters the optimizer keeps (bench/bench_train_step.py --with-optimizer times the same one). Fused (one
     kernel over all weights) where torch has it: the demo drafter's 7.1M weights step in ~2 ms on 2 CPU cores
     against 6-15 ms for the default foreach loop (~10 ms of a ~200 ms demo step), the same values to 5e-8."""
     optimizer = MasterWeightAdamW if tc.bf16_weights else torch.optim.AdamW

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The EAGLE-3 training step at the 8B drafter's shape, beside SpecForge's, in one command (GPU).
 
-    python scripts/bench_train_step.py --seqlens 2048,4096,8192,16384 \
+    python bench/bench_train_step.py --seqlens 2048,4096,8192,16384 \
         --specforge-wheel .carry/specforge-0.2.0-py3-none-any.whl --specforge-harness .carry/specforge_step.py
-    python scripts/bench_train_step.py --smoke          # CPU check of this script (tiny shapes)
+    python bench/bench_train_step.py --smoke          # CPU check of this script (tiny shapes)
 
 One step = what train/loop.py does per micro-batch, minus the optimizer (SpecForge's harness leaves it
 out too): teacher_targets (draft-vocab softmax from the target's final hidden states) + the TTTObjective
@@ -30,7 +30,7 @@ static-shape, as a run of packed rows of one length is (SpecForge's harness alon
 graphs as dynamic-shape ones: 19.9k tok/s at 2048 after 8192 vs 22.4k when 2048 comes first).
 
 --with-optimizer times the whole training step on both sides instead: ours adds train/loop.py's AdamW
-after Accelerate's gradient-norm clip at 0.5 (fit.py's order); SpecForge's (scripts/specforge_full_step.py)
+after Accelerate's gradient-norm clip at 0.5 (fit.py's order); SpecForge's (bench/specforge_full_step.py)
 adds its own BF16Optimizer (clip at 0.5, fp32 master copies, AdamW, copy back). Peak memory then counts the
 optimizer state each side really holds: our fp32 weights are the masters; SpecForge keeps masters beside its
 bf16 weights.

@@ -2,16 +2,16 @@
 # The headline run (issue 14) on one GPU machine that takes commands of <= 10 min and <= 64 MiB of files:
 # the pipeline's own stages, unchanged, with configs/smollm2-135m-instruct-gpu.yaml.
 #
-#   here:   scripts/headline_gpu.sh pack-inputs      # .gpurun/a (GGUF, part 1), .gpurun/b (the rest)
-#   device: scripts/headline_gpu.sh stash            # carry .gpurun/a: keep it on the machine
-#           scripts/headline_gpu.sh setup start wait # carry .gpurun/b: wheels, target, ShareGPT; then the
+#   here:   bench/headline_gpu.sh pack-inputs      # .gpurun/a (GGUF, part 1), .gpurun/b (the rest)
+#   device: bench/headline_gpu.sh stash            # carry .gpurun/a: keep it on the machine
+#           bench/headline_gpu.sh setup start wait # carry .gpurun/b: wheels, target, ShareGPT; then the
 #                                                    # pipeline runs on in the background (setsid), past the command
-#           scripts/headline_gpu.sh wait             # follow it for WAIT_S seconds (as many commands as it takes);
+#           bench/headline_gpu.sh wait             # follow it for WAIT_S seconds (as many commands as it takes);
 #                                                    # each wait ends by packing whatever is done into $OUT
 # Data accumulates over sessions: `pack` takes the conversations too; unpacked here into .gpurun/c, a
 # third carry's `restore` puts them back before `start`, and data_gen continues where they end.
 # Issue 13's training-step benchmark the same way (one command, past the 10 min a device command may run):
-#   device: PIPELINE=train-step VARIANTS=fast_unroll,fast_unroll_flash scripts/headline_gpu.sh start wait  # carry .carry
+#   device: PIPELINE=train-step VARIANTS=fast_unroll,fast_unroll_flash bench/headline_gpu.sh start wait  # carry .carry
 #   (.carry: specforge-0.2.0-py3-none-any.whl, specforge_step.py from ../shared/bench, and whl/ with the wheels of
 #   datasets 5.2.0, dill 0.4.1 and multiprocess 0.70.19: `pip download --no-deps` of each)
 # Or phase by phase, each in the foreground: generate, train, eval, bench, results.
@@ -98,7 +98,7 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     rm -rf $S/code $S/done && mkdir -p $S/code $S/logs && cp -r core data_gen extract train eval scripts configs $S/code/
     if [ -d .carry ]; then cp -r .carry $S/code/; fi  # train-step's SpecForge wheel and harness
     # the done marker is written inside the new session: the device ends the command's own processes when it returns
-    (cd $S/code && STASH=$S setsid nohup bash -c 'bash scripts/headline_gpu.sh "$@"; echo "rc $?" > "$STASH/done"' _ \
+    (cd $S/code && STASH=$S setsid nohup bash -c 'bash bench/headline_gpu.sh "$@"; echo "rc $?" > "$STASH/done"' _ \
        ${PIPELINE:-generate-for train-for results eval results bench results} > $S/logs/pipeline.log 2>&1 < /dev/null) \
        > /dev/null 2>&1 &
     echo "pipeline started (log: $S/logs/pipeline.log)" ;;
@@ -118,21 +118,21 @@ print(sum(sum(pq.read_table(f, columns=['input_ids']).column('input_ids').combin
     mkdir -p $S/logs
     # the harness's own imports (datasets and its deps), which the GPU image lacks: wheels in .carry/whl
     if [ -d .carry/whl ]; then "$PY" -m pip install -q --no-index --no-deps --target $S/site .carry/whl/*.whl; fi
-    "$PY" scripts/bench_train_step.py --seqlens ${SEQLENS:-2048,4096,8192,16384} --variants ${VARIANTS:-fast_unroll} \
+    "$PY" bench/bench_train_step.py --seqlens ${SEQLENS:-2048,4096,8192,16384} --variants ${VARIANTS:-fast_unroll} \
       --warmup 2 --iters 5 --specforge-wheel .carry/specforge-0.2.0-py3-none-any.whl \
       --specforge-harness .carry/specforge_step.py --out $S/logs/train_step.jsonl ${STEP_ARGS:-} 2>&1 | tee $S/logs/train_step.log ;;
   bench-first)  # decode at data_gen's real context lengths (the grouped decode attention), extraction on real weights
     mkdir -p $S/logs
-    timeout 300 "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch 256 512 \
+    timeout 300 "$PY" bench/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch 256 512 \
       --prompt-len 1024 --new-tokens 128 --paths eager graphs fused --repeats 1 --out $S/logs/bench_generate_1024.json \
       2>&1 | tee $S/logs/bench_generate_1024.log || true
-    timeout 90 "$PY" scripts/bench_extract.py --config $CFG --device cuda 2>&1 | tee $S/logs/bench_extract.log || true ;;
+    timeout 90 "$PY" bench/bench_extract.py --config $CFG --device cuda 2>&1 | tee $S/logs/bench_extract.log || true ;;
   bench|bench-gen)  # each stage's figure against its limit, on this machine (docs/PERFORMANCE.md), real SmolLM2 weights;
     # bench-gen: the decode benchmark only; BENCH_BATCH, BENCH_PATHS: other batches and decode paths
     mkdir -p $S/logs
-    timeout 240 "$PY" scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch ${BENCH_BATCH:-256 512} \
+    timeout 240 "$PY" bench/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 --batch ${BENCH_BATCH:-256 512} \
       --paths ${BENCH_PATHS:-eager graphs hf} --repeats 1 --out $S/logs/bench_generate.json 2>&1 | tee $S/logs/bench_generate.log || true
-    [ "$phase" = bench-gen ] || timeout 180 "$PY" scripts/bench_extract.py --config $CFG --device cuda 2>&1 | tee $S/logs/bench_extract.log || true ;;
+    [ "$phase" = bench-gen ] || timeout 180 "$PY" bench/bench_extract.py --config $CFG --device cuda 2>&1 | tee $S/logs/bench_extract.log || true ;;
   eval)  # batch-1 decoding leaves the GPU mostly idle: the settings run side by side, one process each
     mt=$S/mt_bench.jsonl pids=()
     # 2 threads each: seven processes that each take every idle core slow one another down (27 tok/s at batch 1)

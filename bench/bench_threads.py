@@ -1,6 +1,6 @@
 """Stage wall times by torch thread count, on an idle machine and beside a competing process.
 
-    python scripts/bench_threads.py [--threads 1,2] [--config configs/smollm2-135m-instruct.yaml]
+    python bench/bench_threads.py [--threads 1,2] [--config configs/smollm2-135m-instruct.yaml]
 
 Runs data_gen, extract, train and eval through their CLIs at small sizes for each thread count (the
 `threads` config key), first alone, then with one busy process (a 1-thread fp32 matmul loop: another

@@ -2,9 +2,9 @@
 each as a ratio to the single-stream rate, through the real data_gen code path (client, retries,
 tokenization, parquet parts).
 
-    python scripts/bench_data_gen_server.py                      # llama.cpp serving the embedded GGUF
-    python scripts/bench_data_gen_server.py --base-url http://127.0.0.1:30000/v1 --samples 256   # any server
-    python scripts/bench_data_gen_server.py --fake-latency 0.2    # client ceiling: a scripted server (test
+    python bench/bench_data_gen_server.py                      # llama.cpp serving the embedded GGUF
+    python bench/bench_data_gen_server.py --base-url http://127.0.0.1:30000/v1 --samples 256   # any server
+    python bench/bench_data_gen_server.py --fake-latency 0.2    # client ceiling: a scripted server (test
                                                                   # double) answering every request in 0.2 s
 
 The ratio's ceiling is the server's: one that batches requests (SGLang, vLLM) scales with concurrency,
@@ -26,8 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from core.config import load_config  # noqa: E402
 from data_gen.generate import main as data_gen_main  # noqa: E402
-from eval.llamacpp_server import server_threads  # noqa: E402
-from scripts.llamacpp_server import llamacpp_server  # noqa: E402
+from eval.llamacpp_server import embedded_target_server, server_threads  # noqa: E402
 
 
 def run_once(base_url: str, concurrency: int, samples: int, max_new_tokens: int, out: Path) -> dict:
@@ -59,7 +58,7 @@ def main() -> None:
         server = contextlib.nullcontext(fake.__enter__().url)
         args.base_url = f"scripted test double, {args.fake_latency} s per request"
     else:
-        server = contextlib.nullcontext(args.base_url) if args.base_url else llamacpp_server(parallel=max(levels))
+        server = contextlib.nullcontext(args.base_url) if args.base_url else embedded_target_server(parallel=max(levels))
     with server as url, tempfile.TemporaryDirectory() as tmp:
         results = {c: run_once(url, c, args.samples, args.max_new_tokens, Path(tmp) / f"c{c}") for c in levels}
     base = results[levels[0]]

@@ -1,7 +1,7 @@
 """Chain vs EAGLE-2 tree at the same number of drafted tokens per verification, on a trained drafter
 in our HF engine (greedy, batch 1): τ, tokens/s and speedup against the plain target decode.
 
-    python scripts/bench_draft_tree.py --drafter runs/smollm2-135m-instruct/drafter \
+    python bench/bench_draft_tree.py --drafter runs/smollm2-135m-instruct/drafter \
         [--prompts heldout|FILE.jsonl] [--pairs 4:2,4,4 6:3,4,6] [--max-prompts 16]
 
 Each pair `K:depth,topk,total` runs a chain of K drafts and a tree of `total` nodes (K == total: the

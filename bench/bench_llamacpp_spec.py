@@ -1,7 +1,7 @@
 """Our drafter in a real engine: llama.cpp's llama-server, base vs EAGLE-3 speculative, beside our HF
 engine's τ on the same prompt token ids (greedy; our engine at batch 1, the servers at each --concurrency).
 
-    python scripts/bench_llamacpp_spec.py --drafter runs/smollm2-135m-instruct/drafter \
+    python bench/bench_llamacpp_spec.py --drafter runs/smollm2-135m-instruct/drafter \
         [--prompts heldout|FILE.jsonl] [--k 2,3,5,7] [--outtype f32,f16,q8_0] [--max-prompts 16] \
         [--target-outtype q4_1|f16|bf16|f32] [--p-min 0,0.5,0.8] [--server-args "--poll 100"] \
         [--spec-args ";--poll 0"] [--concurrency 1,4] [--no-ours]

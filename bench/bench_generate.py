@@ -1,7 +1,7 @@
 """Batched generation speed (core/decode.generate, data_gen's hf backend) against the memory-bandwidth
 bound, eager and replayed as CUDA graphs, beside HF `model.generate`; fails if the paths disagree.
 
-    python scripts/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 \
+    python bench/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 \
         --batch 1 16 64 256 --prompt-len 128 --new-tokens 128 --out bench_generate.json
 
 Paths: eager (data_gen.compile=no: every kernel launched from Python, the loop without graphs),
@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.benchmark import copy_bandwidth, measured, sync, timed  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.decode import bf16_copy, generate, left_padded, new_cache, prefill  # noqa: E402
 from core.decode_step import FUSE_MODES  # noqa: E402
 from core.errors import UserError  # noqa: E402
 from core.target import load_target  # noqa: E402
-from scripts.benchmark import copy_bandwidth, measured, sync, timed  # noqa: E402
 
 
 def bound_seconds(model, lengths: list[int], new: int, bandwidth: float) -> float:
@@ -121,7 +121,7 @@ def bench_batch(model, paths: list[str], b: int, prompt_len: int, new: int, band
             continue
         decode, bound = max(t - t_pre, 1e-9), bound_seconds(steps, lengths, new, bandwidth)
         rows.append({**row, "first_call_s": first[0], "s_per_call": t, "tok_s": b * new / t, "decode_ms_per_step": 1e3 * decode / max(1, new - 1),
-                     "of_bound": bound / decode})
+                     "bound_s": bound, "of_bound": bound / decode})
     return [{**r, "rows_equal_eager": rows_equal(tokens.get(r["path"]), tokens.get("eager"))} for r in rows]
 
 

@@ -3,11 +3,11 @@
 ../shared/bench/specforge_step.py) followed by SpecForge's own optimizer, `specforge.optimizer.BF16Optimizer`
 (gradient-norm clip at 0.5, fp32 master copies of the bf16 weights, AdamW, copy back), as SpecForge trains.
 
-    python3 scripts/specforge_full_step.py --wheel .carry/specforge-0.2.0-py3-none-any.whl \
+    python3 bench/specforge_full_step.py --wheel .carry/specforge-0.2.0-py3-none-any.whl \
         --harness .carry/specforge_step.py --seq-len 2048 --out /tmp/sf_full.jsonl
 
 The harness leaves the optimizer out, and with it the state that is most of a real step's memory; this
-adds it, so `scripts/bench_train_step.py --with-optimizer` (one process of this per length) compares whole
+adds it, so `bench/bench_train_step.py --with-optimizer` (one process of this per length) compares whole
 steps. Nothing of SpecForge lives here: its model, batch, loss and optimizer come from the harness and the
 wheel, imported at run time. Shape: the harness's defaults (the 8B drafter, K=7, batch 1).
 """

@@ -1,6 +1,6 @@
 """Per-stage speed as a ratio against a limit (the machine's measured matmul peak = FLOP bound).
 
-    python scripts/benchmark.py [--stage generate|decode|extract|train|all] [--config configs/<name>.yaml]
+    python bench/benchmark.py [--stage generate|decode|extract|train|all] [--config configs/<name>.yaml]
                                 [--device cpu|cuda] [--dtype float32|bfloat16]
 
 generate: batched cached decode tokens/s vs the FLOP bound (2 x params per token), and vs

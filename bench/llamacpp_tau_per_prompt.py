@@ -1,7 +1,7 @@
 """Where our engine's τ and llama.cpp's part: prompt by prompt, both engines' τ at one K and p_min, and whether
 the two targets wrote the same greedy tokens.
 
-    python scripts/llamacpp_tau_per_prompt.py --drafter results/smollm2-135m-instruct/drafter \
+    python bench/llamacpp_tau_per_prompt.py --drafter results/smollm2-135m-instruct/drafter \
         --config /tmp/gpu_fp32.yaml --prompts ../shared/data/mt_bench/question.jsonl --k 7 --p-min 0.5
 
 Our fp32 target and llama.cpp's converted one round differently; at a near tie their greedy answers part, and from

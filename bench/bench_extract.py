@@ -1,7 +1,7 @@
 """hf-engine extraction throughput, shards written to local disk, as a ratio against the FLOP bound.
 
-    python scripts/bench_extract.py --config configs/smollm2-135m-instruct.yaml --device cuda
-    python scripts/bench_extract.py --random-llama-8b --device cuda --storage fp8_e4m3
+    python bench/bench_extract.py --config configs/smollm2-135m-instruct.yaml --device cuda
+    python bench/bench_extract.py --random-llama-8b --device cuda --storage fp8_e4m3
 
 Runs extract's own loop (extract.run.extract_hf: token-budget batches, one forward with hidden
 states, ShardWriter with its checks, atomic shard commits) over synthetic samples whose lengths are
@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.benchmark import matmul_peak, sync  # noqa: E402
 from core.aux_layers import resolve_aux_layers  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.hidden_shards import ShardWriter  # noqa: E402
 from core.target import load_target, resolve_precision  # noqa: E402
 from extract.run import extract_hf  # noqa: E402
-from scripts.benchmark import matmul_peak, sync  # noqa: E402
 
 
 def random_llama_8b(device: torch.device, dtype: torch.dtype):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Few-row fp32 products on a CPU: F.linear against core/cpu_linear.py's split, as a share of the copy bound.
 
-    python scripts/bench_cpu_linear.py [--rows 1,6,16,32,128] [--threads 2]
+    python bench/bench_cpu_linear.py [--rows 1,6,16,32,128] [--threads 2]
 
 Each shape (SmolLM2's layers, its 49k-row lm_head, the demo drafter's head and fc) is timed over 30 distinct
 weights in turn (3 for the lm_head), so the weights stream from memory as in a decode step, not from cache.
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.benchmark import copy_bandwidth  # noqa: E402
 from core.cpu_linear import split_linear  # noqa: E402
-from scripts.benchmark import copy_bandwidth  # noqa: E402
 
 SHAPES = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536),
           "lm_head": (49152, 576), "draft head": (4096, 576), "fc": (576, 1728)}
