@@ -108,7 +108,7 @@ class ExtractConfig:
                            "every token: the drafter attends over the prompt); `python -m extract stats` shows bytes",
                     choices=('all', 'loss'))
     mixed_precision: str = _f("no", "auto | no | bf16: run the target's matmuls under bf16 autocast (residual "
-                                    "stream stays fp32; 3.4x faster prefill on AMX CPUs); auto = where native",
+                                    "stream stays fp32; faster prefill where bf16 is native); auto = where native",
                               choices=('auto', 'no', 'bf16'))
 
 
@@ -150,7 +150,7 @@ class TrainConfig:
     wandb_mode: str = _f("offline", "offline | online | disabled", choices=('offline', 'online', 'disabled'))
     wandb_project: str = _f("eagle3", "W&B project")
     mixed_precision: str = _f("auto", "auto | no | bf16; auto = bf16 on GPUs and on CPUs with native bf16 "
-                                      "(AVX512-BF16/AMX), fp32 elsewhere (bf16 is ~200x slower there)",
+                                      "(AVX512-BF16/AMX), fp32 elsewhere (emulated bf16 is far slower there)",
                               choices=('auto', 'no', 'bf16'))
     attention: str = _f("auto", "auto | dense | flex | flash | cudnn: TTT attention; flex (CUDA) never builds a [T,T] "
                                 "matrix; flash = a causal FlashAttention kernel plus the diagonal terms merged by "
@@ -165,7 +165,7 @@ class TrainConfig:
                                "0 = plain autograd (the reference path)", ge=0)
     compile: str = _f("auto", "auto | yes | no | unroll: torch.compile the TTT step's layer (fuses norms, RoPE, "
                               "SiLU), one graph per step; unroll = all K steps as one graph (weights cast once, "
-                              "their K gradients summed inside it: 1.09-1.23x yes's tokens/s on an H200, less "
+                              "their K gradients summed inside it: faster than yes on a GPU, with less "
                               "memory); auto = unroll on CUDA, no on CPU",
                       choices=('auto', 'yes', 'no', 'unroll'))
     tau_every: int = _f(0, "optimizer steps between τ measurements (eval's hf engine on the drafter as exported, "

@@ -1,10 +1,10 @@
 """Linear layers of few rows on a CPU, split across torch's threads (the decode engine's batch-1 steps).
 
-Why: on this workplace's AVX2 EPYC, MKL runs a product of 1-32 rows by a weight practically on one
-thread: a decode token's weights stream at ~12 GB/s (6 rows of a verify at ~8), whether torch has 1 or 2
-threads. The same product as one batched matmul over SLICES slices of the weight's output rows (a view,
-no copy) runs the slices on all threads: 1.2-1.9x per layer shape at 1-32 rows, 1.6x on SmolLM2's
-49k-row lm_head (docs/PERFORMANCE.md, "Batch-1 decode on a CPU"). From ~128 rows on, MKL's own
+Why: on some CPUs (AVX2 without AVX-512), MKL runs a product of 1-32 rows by a weight practically on one
+thread, whether torch has 1 or 2 threads, so a decode token's weights stream at a fraction of the memory
+bandwidth. The same product as one batched matmul over SLICES slices of the weight's output rows (a view,
+no copy) runs the slices on all threads, faster at every layer shape of 1-32 rows and on a large lm_head
+(docs/PERFORMANCE.md, "Batch-1 decode on a CPU"). From ~128 rows on, MKL's own
 threading is as fast or faster, so bigger inputs (prefill, data_gen's batched steps, training) keep
 F.linear. Each output is still one dot product over the input features; only the kernel that runs it
 changes, so values agree with F.linear's to rounding.

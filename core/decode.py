@@ -67,9 +67,9 @@ def target_forward(model, cache: StaticCache, ids: torch.Tensor, start: int, att
     return out.logits, aux
 
 
-# Prompt tokens per pass of a batched CPU prefill: 128 prompts of ~90 tokens in one pass took 29.8 s on a
-# 2-core AVX2 EPYC, in groups of 23 rows (~2k tokens) 21.9 s, the same logits to 5e-5 (its [B,T,1536] MLP
-# activations, ~70 MB each, are what the elementwise ops stall on); ~40% of a data_gen call is its prefill.
+# Prompt tokens per pass of a batched CPU prefill: many prompts in one pass are slower than groups of ~2k
+# tokens, with the same logits to 5e-5 (the [B,T,I] MLP activations of one pass, tens of MB each, are what the
+# elementwise ops stall on), and the prefill is a large share of a data_gen call (docs/PERFORMANCE.md).
 CPU_PREFILL_TOKENS = 2048
 
 

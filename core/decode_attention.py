@@ -2,9 +2,9 @@
 each layer's K/V once (`load_target` switches every target to it; core/decode.py decodes through it).
 
 Why: a static-cache decode step passes a padding mask, and with a mask transformers' SDPA integration
-(5.17, on the GPU machine) refuses SDPA's native GQA on CUDA and calls `repeat_kv`, copying every
+(since 5.17) refuses SDPA's native GQA on CUDA and calls `repeat_kv`, copying every
 layer's K and V G times each step before a masked kernel. SmolLM2 (9 query heads on 3 KV heads) at
-1024-token prompts then took 59 ms a step at batch 512 on an H200, 4.5% of the bandwidth bound. With
+long prompts then decoded at a few percent of a GPU's bandwidth bound (docs/PERFORMANCE.md). With
 one query token the grouping is a view: the G query heads that share KV head k (heads k*G..k*G+G-1,
 as repeat_kv pairs them) are G rows against that head's K/V, so one SDPA call reads the cache once.
 Every call with more query tokens (prefill, verify, tree verify, hidden-state captures) runs

@@ -2,19 +2,19 @@
 (core/decode.py `generate`; data_gen.compile switches the graph on).
 
 Why a CUDA graph: a decode step of a small target is hundreds of small kernels launched one by one
-from Python through HF's 30-layer forward, so on a GPU it costs the launches, not the math
-(SmolLM2 at batch 256 on an H200: 77 ms a step). A captured graph launches the very same kernels in
+from Python through HF's 30-layer forward, so on a GPU it costs the launches, not the math.
+A captured graph launches the very same kernels in
 one call, so its logits are bitwise the eager step's, which torch.compile's fusions would not promise.
 `fuse` passes the step through torch.compile first. "fused" (data_gen.compile=fused): those few hundred
-kernels (RoPE, norms, casts, cache copies; ~7 ms of a 10.7 ms step at batch 256 on an H200) become a few
+kernels (RoPE, norms, casts, cache copies: most of a graph-replayed step of a small target) become a few
 dozen, but fused arithmetic rounds differently, so bf16 tokens may part from the eager loop's: opt-in.
 "exact" (data_gen.compile=exact) fuses only what it can round as eager does: inductor rounds every bf16
 intermediate as the eager op would (its emulate_precision_casts), so the elementwise chains (RoPE,
 residual adds, SiLU(gate) * up, casts, cache writes) fuse with the same bits, and the kernels whose
 arithmetic inductor would do differently stay ATen's, called from the compiled step: the RMSNorms
 (a reduction in another order), SiLU (x * sigmoid(x) is not ATen's x / (1 + exp(-x))) and the rotary
-table (cos/sin). On an H200 at batch 256: 55.9k tok/s against the graphs' 45.8k, every row equal; the
-price is compiling each layer's pieces (~1 min in data_gen), docs/PERFORMANCE.md.
+table (cos/sin). It is faster than the plain graphs with every row equal; the price is compiling each
+layer's pieces once per data_gen run (docs/PERFORMANCE.md).
 What makes one capture replayable: every input sits at a fixed address and everything that changes
 between steps changes on the device. The token is copied into `token`; the positions and the static
 cache's write slot (transformers' StaticLayer.cumulative_length, which its update advances in place)

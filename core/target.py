@@ -59,7 +59,7 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 def resolve_precision(name: str) -> str:
     """"auto" -> "bf16" on GPUs and on CPUs with native bf16 matmul (AVX512-BF16 / AMX), else "no"
-    (fp32): elsewhere CPU bf16 matmul is emulated, ~200x slower on an AVX2 machine (docs/PERFORMANCE.md)."""
+    (fp32): elsewhere CPU bf16 matmul is emulated, orders of magnitude slower (docs/PERFORMANCE.md)."""
     if name != "auto":
         return name
     if torch.cuda.is_available():

@@ -3,7 +3,7 @@
     python -m eval --config configs/smollm2-135m-instruct.yaml                 # our HF engine, batch 1
     python -m eval --engine llamacpp                 # + the drafter served by llama.cpp, concurrency 1 and 4
     python -m eval --engine server --server-type vllm --base URL --spec URL    # any running pair of servers
-    python -m eval --prompts ../shared/data/mt_bench/question.jsonl --draft runs/x/drafter --out /tmp/mt
+    python -m eval --prompts mt_bench_questions.jsonl --draft runs/x/drafter --out /tmp/mt
 
 hf: per prompt, baseline decode and speculative decode (a chain of K = eval.draft_steps drafts per
 target verification, or an EAGLE-2 tree: eval.draft_tree=[depth,topk,total]), both timed after a

@@ -1,6 +1,6 @@
 """One server at a time: a base pass and a speculative pass over the same prompts, run one after the other and
 combined into the report a paired run writes (eval/server_eval.py), for a target two copies of which do not fit
-one node (Kimi-K2.5 on 8 x H200):
+one node (Kimi-K2.5 on one 8-GPU node):
 
     python -m eval --config C --engine server --pass base --base URL   # the base server up, alone
     python -m eval --config C --engine server --pass spec --spec URL   # then the speculative one: writes the report

@@ -5,7 +5,7 @@ them; the entry point `sglang.srt.plugins` (pyproject.toml) does. SGLang also lo
 HTTP server, detokenizer and DP controller, and in a scheduler before its ranks are published, so
 `register` only records the hooks: the writer thread and dump dir are made at the first hook call
 on a writing rank (the attention group leader, SGLang's own `attn_tp_rank == 0 and attn_cp_rank
-== 0`). Two hooks, on the targets ../shared/reference/sglang-0.5.23.md names (tests pin them to
+== 0`). Two hooks, on these targets of SGLang 0.5.23's source (tests pin them to
 the real source):
 
 1. BEFORE `GenerationBatchResult.copy_to_cpu`: queue the device-to-host copy of the final hidden

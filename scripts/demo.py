@@ -5,10 +5,9 @@
 The stages run one after another in this process (each is exactly `python -m <stage>`'s main; one
 interpreter saves ~4 s of imports per stage on a 2-core machine).
 
-Sizes follow the machine: the config's (1216 samples, 5 epochs) where they fit ~20 min, on a GPU or
-a CPU with native bf16 and fast fp32 matmul (an AVX-512 Xeon here: 13-19 min); MEDIUM on a CPU with
-native bf16 and slower fp32 (an AVX512-BF16 EPYC here: MEDIUM in 12-15 min, full sizes 13:52); COMPACT_FAST or
-COMPACT without native bf16, by its fp32 rate (a 2-core AVX2 EPYC here ran the full sizes in 38:42). key=value
+Sizes follow the machine, so that the demo ends in ~20 min on 2 cores: the config's (1216 samples, 5 epochs) on
+a GPU or a CPU with native bf16 and fast fp32 matmul; MEDIUM on a CPU with native bf16 and slower fp32;
+COMPACT_FAST or COMPACT without native bf16, by its fp32 rate (README's demo table has the times). key=value
 arguments override any.
 """
 
@@ -32,16 +31,11 @@ from extract.run import main as extract_main  # noqa: E402
 from train.loop import main as train_main  # noqa: E402
 
 STAGES = {"data_gen": data_gen_main, "extract": extract_main, "train": train_main, "eval": eval_main}
-FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores: ~290 on the AVX-512 Xeon, 103-205 on the AVX512-BF16 EPYC
-# MEDIUM on the AVX512-BF16 EPYC: 832 x 4 took 13:57 (τ 1.502); with data_gen decoding in bf16, 1024 x 5 took
-# 12:15 to 15:07 at τ 1.577 to 1.605
-MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5"]
-# without native bf16 the fp32 rate decides, K=2 TTT (its steps cost ~3/4 of K=3's) and 6 epochs in both tiers.
-# COMPACT: 448 x 6 at K=2 read τ 1.434 where the former 448 x 4 at K=3 read 1.405 (the AVX2 EPYC ran that in 15:13 at
-# ~125 GFLOP/s and 10:09 at 184) for ~5% more training. COMPACT_FAST: 768 x 6 read τ 1.570 / 1.550 (seeds 0 / 1)
-# where 1,024 x 5 read 1.569 / 1.551, for ~4/5 of the CPU time; from run 28's per-sample costs at 133 GFLOP/s
-# (1,024 x 5 in 22:00) it takes ~19 min there, ~19.3 at 130: see the section on fewer conversations and one more
-# epoch in docs/PERFORMANCE.md
+FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores from which the config's sizes fit the demo's time
+MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5"]  # native bf16, slower fp32: data_gen decodes in bf16
+# Without native bf16 the fp32 rate decides, K=2 TTT (its steps cost ~3/4 of K=3's) and 6 epochs in both tiers:
+# at the same CPU time these read a higher τ than fewer epochs at K=3, and 768 x 6 the τ of 1,024 x 5 for ~4/5 of
+# the time (docs/PERFORMANCE.md, the demo's recipe).
 COMPACT = ["data_gen.num_samples=448", "train.epochs=6", "train.ttt_steps=2"]
 FAST_FP32_GFLOPS = 130.0
 COMPACT_FAST = ["data_gen.num_samples=768", *COMPACT[1:]]
@@ -49,8 +43,7 @@ COMPACT_FAST = ["data_gen.num_samples=768", *COMPACT[1:]]
 
 def fp32_matmul_gflops(seconds: float = 0.5) -> float:
     """The best timing of a 1024x1024 fp32 matmul repeated for `seconds`: what the CPU can do, not what one
-    moment gave. Best of 3 (~0.1 s) read 139-178 GFLOP/s on one idle AVX2 host in six tries, and 86 at a demo's
-    start, on both sides of FAST_FP32_GFLOPS; best over 0.5 s read 177-183 there."""
+    moment gave (a best of 3 read on both sides of FAST_FP32_GFLOPS on one idle host; 0.5 s of repeats is stable)."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     a @ b
     best, end = float("inf"), time.perf_counter() + seconds

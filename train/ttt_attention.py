@@ -12,8 +12,8 @@ Three implementations of one function (train/ttt_loss.py's docstring gives the a
   the k diagonal terms, one score per row each, merged by log-sum-exp. The backward hands the kernel the
   merged output and log-sum-exp, so its P = exp(S - lse) are already the joint softmax's and no gradient
   through the kernel's own log-sum-exp is needed. Kernels on CUDA (bf16/fp16): FlashAttention-2
-  (train.attention=flash) or cuDNN's fused attention (train.attention=cudnn: the K calls 1.85x faster than
-  flex on an H200 at 8k, docs/PERFORMANCE.md); PyTorch's CPU flash kernel on CPU (any float: the tests'
+  (train.attention=flash) or cuDNN's fused attention (train.attention=cudnn: faster than flex on Hopper GPUs,
+  docs/PERFORMANCE.md); PyTorch's CPU flash kernel on CPU (any float: the tests'
   path). One document per row (no packing).
 """
 
@@ -243,8 +243,8 @@ class _MergedAttention(torch.autograd.Function):
 def merged_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                          kernel: str = "flash") -> torch.Tensor:
     """`dense_ttt_attention` without doc_ids, any T, through a causal flash kernel plus the diagonal terms.
-    Inputs made contiguous first: on an H200, q/k/v as the step makes them (transposed [B,T,n,d] views) gave
-    outputs and gradients 10-100% off from step 2 on, contiguous copies 0.4% (bf16; docs/PERFORMANCE.md).
+    Inputs made contiguous first: on a GPU, q/k/v as the step makes them (transposed [B,T,n,d] views) gave
+    outputs and gradients far off from step 2 on, contiguous copies bf16 rounding (docs/PERFORMANCE.md).
     torch.compile traces it (the autograd.Function and its kernels) into the step's graph: train.compile=unroll
     stays one graph with it. kernel: CUDA's causal kernel, "flash" or "cudnn" (CPU has one: PyTorch's flash)."""
     if kernel not in KERNELS:  # a misspelt name must not silently measure or train on the flash kernel
