@@ -4,7 +4,7 @@ Why: on some CPUs (AVX2 without AVX-512), MKL runs a product of 1-32 rows by a w
 thread, whether torch has 1 or 2 threads, so a decode token's weights stream at a fraction of the memory
 bandwidth. The same product as one batched matmul over SLICES slices of the weight's output rows (a view,
 no copy) runs the slices on all threads, faster at every layer shape of 1-32 rows and on a large lm_head
-(docs/PERFORMANCE.md, "Batch-1 decode on a CPU"). From ~128 rows on, MKL's own
+(docs/PERFORMANCE.md, `make demo`). From ~128 rows on, MKL's own
 threading is as fast or faster, so bigger inputs (prefill, data_gen's batched steps, training) keep
 F.linear. Each output is still one dot product over the input features; only the kernel that runs it
 changes, so values agree with F.linear's to rounding.

@@ -35,7 +35,7 @@ FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores from which the config's size
 MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5"]  # native bf16, slower fp32: data_gen decodes in bf16
 # Without native bf16 the fp32 rate decides, K=2 TTT (its steps cost ~3/4 of K=3's) and 6 epochs in both tiers:
 # at the same CPU time these read a higher τ than fewer epochs at K=3, and 768 x 6 the τ of 1,024 x 5 for ~4/5 of
-# the time (docs/PERFORMANCE.md, the demo's recipe).
+# the time (docs/PERFORMANCE.md, findings).
 COMPACT = ["data_gen.num_samples=448", "train.epochs=6", "train.ttt_steps=2"]
 FAST_FP32_GFLOPS = 130.0
 COMPACT_FAST = ["data_gen.num_samples=768", *COMPACT[1:]]
