@@ -13,6 +13,7 @@ run dir; an embedded alias (smollm2, tiny) has its model cache built on first us
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from core.aux_layers import resolve_aux_layers, sglang_layer_ids
 from core.config import RunConfig
@@ -182,41 +183,58 @@ def _gib(b: float) -> str:
     return f"{b / size:,.1f} {unit}"
 
 
-def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
-    """{stage: lines} for the four stages, plus "target"."""
-    tc = read_target_config(resolve_target(cfg))
-    h, layers, model_type = tc["hidden_size"], tc["num_hidden_layers"], tc["model_type"]
-    aux = resolve_aux_layers(cfg.extract.aux_layers, layers)
-    dc = DrafterConfig.for_target(tc, aux, min(cfg.train.draft_vocab_size, tc["vocab_size"]))
-    export = dc.to_sglang()
-    n_conv, cap = conversations(cfg), tokens_cap(cfg)
-    tokens = n_conv * cap
-    d, x, t, e = cfg.data_gen, cfg.extract, cfg.train, cfg.eval
-    weights = target_params(tc)
-    out = {"target": [
-        f"{cfg.target.model}: {model_type}, {layers} layers, hidden {h}, vocab {tc['vocab_size']}, "
-        f"{tc['num_attention_heads']}/{tc.get('num_key_value_heads') or tc['num_attention_heads']} heads",
+@dataclass(frozen=True)
+class _Shape:
+    """What every stage's plan reads: the target's config, its shape, the aux layers and the drafter built on them,
+    and the token budget (conversations x the longest sample data_gen can write)."""
+    tc: dict
+    aux: list[int]
+    dc: DrafterConfig
+    conversations: int
+    cap: int
+
+    @property
+    def tokens(self) -> int:
+        return self.conversations * self.cap
+
+
+def _target_lines(cfg: RunConfig, sh: _Shape) -> list[str]:
+    tc, export, weights = sh.tc, sh.dc.to_sglang(), target_params(sh.tc)
+    return [
+        f"{cfg.target.model}: {tc['model_type']}, {tc['num_hidden_layers']} layers, hidden {tc['hidden_size']}, vocab "
+        f"{tc['vocab_size']}, {tc['num_attention_heads']}/{tc.get('num_key_value_heads') or tc['num_attention_heads']} heads",
         f"weights: {weights / 1e9:,.2f}B parameters -> {_gib(weights * _DTYPE_BYTES[cfg.target.dtype])} in "
         f"{cfg.target.dtype}: what one process holds to run it in-process (hf engines, train.source=online)",
-        f"aux layers {aux} (input of layer i = hidden_states[i]); export: SGLang eagle_config ids "
+        f"aux layers {sh.aux} (input of layer i = hidden_states[i]); export: SGLang eagle_config ids "
         f"{export['eagle_config']['eagle_aux_hidden_state_layer_ids']}, llama.cpp top-level ids "
-        f"{export['eagle_aux_hidden_state_layer_ids']}"]}
+        f"{export['eagle_aux_hidden_state_layer_ids']}"]
+
+
+def _data_gen_lines(cfg: RunConfig, sh: _Shape) -> list[str]:
+    d = cfg.data_gen
     source = f"server {d.base_url or '(data_gen.base_url unset)'}" if d.backend == "openai" else "in-process target"
-    out["data_gen"] = [
-        f"{n_conv:,} conversations ({d.num_samples:,} prompts x {d.n}) from {d.prompts}, {source}, "
-        f"{'all user turns' if d.max_turns == 0 else f'{d.max_turns} user turn(s)'} each",
-        f"tokens: <= {cap:,} per sample -> <= {tokens:,} in all ({d.max_new_tokens:,} new tokens per answer at most)"]
+    return [f"{sh.conversations:,} conversations ({d.num_samples:,} prompts x {d.n}) from {d.prompts}, {source}, "
+            f"{'all user turns' if d.max_turns == 0 else f'{d.max_turns} user turn(s)'} each",
+            f"tokens: <= {sh.cap:,} per sample -> <= {sh.tokens:,} in all ({d.max_new_tokens:,} new tokens per answer "
+            "at most)"]
+
+
+def _extract_lines(cfg: RunConfig, sh: _Shape) -> list[str]:
+    x, h, layers = cfg.extract, sh.tc["hidden_size"], sh.tc["num_hidden_layers"]
     per_tok = shard_bytes_per_token(h, x.dtype)
     all_layers = 4 + 1 + (layers + 1) * h * 2
-    ids = f"; SGLang ids {sglang_layer_ids(aux, model_type)}" if x.engine == "sglang" else ""
-    out["extract"] = [
-        f"engine {x.engine}{ids}; aux 3x{h} + final {h} per token in {x.dtype}: {per_tok:,} B/token "
-        f"-> <= {_gib(tokens * per_tok)} for <= {tokens:,} tokens"
-        + (" (spans=loss: final rows only on loss tokens, less)" if x.spans == "loss" else ""),
-        f"storing all {layers + 1} hidden states in bf16 instead: {all_layers:,} B/token "
-        f"({all_layers / per_tok:.1f}x) -> {_gib(tokens * all_layers)}",
-        *disk_lines(h, cap),
-        f"time: {_hours(tokens, ('extract', h, layers, x.dtype))}"]
+    ids = f"; SGLang ids {sglang_layer_ids(sh.aux, sh.tc['model_type'])}" if x.engine == "sglang" else ""
+    return [f"engine {x.engine}{ids}; aux 3x{h} + final {h} per token in {x.dtype}: {per_tok:,} B/token "
+            f"-> <= {_gib(sh.tokens * per_tok)} for <= {sh.tokens:,} tokens"
+            + (" (spans=loss: final rows only on loss tokens, less)" if x.spans == "loss" else ""),
+            f"storing all {layers + 1} hidden states in bf16 instead: {all_layers:,} B/token "
+            f"({all_layers / per_tok:.1f}x) -> {_gib(sh.tokens * all_layers)}",
+            *disk_lines(h, sh.cap),
+            f"time: {_hours(sh.tokens, ('extract', h, layers, x.dtype))}"]
+
+
+def _train_lines(cfg: RunConfig, sh: _Shape, world_size: int) -> list[str]:
+    t, dc = cfg.train, sh.dc
     params = drafter_params(dc)
     frozen = params["embed_tokens"] + (params["lm_head"] if t.freeze_lm_head else 0)
     trainable = sum(params.values()) - frozen
@@ -224,32 +242,44 @@ def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
     row = t.pack_length or t.max_len  # packed: up to batch_size rows of pack_length tokens
     mem = train_memory(dc, trainable, t.batch_size, row, t.ttt_steps, bf16, t.activation_checkpointing,
                        t.loss_chunk, t.bf16_weights)
-    embed_bytes = (2 if bf16 else 4) * params["embed_tokens"]
-    checkpoint = 4 * (sum(params.values()) - params["embed_tokens"]) + embed_bytes + 8 * trainable
-    per_step = t.batch_size * world_size * t.grad_accum
-    steps = math.ceil(n_conv / per_step) * t.epochs
-    train_tokens = n_conv * min(cap, t.max_len) * t.epochs
-    out["train"] = [
+    unembedded = sum(params.values()) - params["embed_tokens"]
+    checkpoint = 4 * unembedded + (2 if bf16 else 4) * params["embed_tokens"] + 8 * trainable
+    steps = math.ceil(sh.conversations / (t.batch_size * world_size * t.grad_accum)) * t.epochs
+    train_tokens = sh.conversations * min(sh.cap, t.max_len) * t.epochs
+    key = ("train", sh.tc["hidden_size"], sh.tc["num_hidden_layers"], "bf16" if bf16 else "no")
+    lines = [
         f"drafter: {trainable / 1e6:,.1f}M trainable + {frozen / 1e6:,.1f}M frozen params (hidden {dc.hidden_size}, "
         f"{dc.num_attention_heads}/{dc.num_key_value_heads} heads x {dc.head_dim}, MLP {dc.intermediate_size}, "
         f"draft vocab {dc.draft_vocab_size:,} of {dc.vocab_size:,})",
         f"memory per GPU ~{_gib(sum(mem.values()))} (estimate, {'bf16' if bf16 else 'fp32'} activations, batch "
         f"{t.batch_size} x {row} tokens, K={t.ttt_steps}): " + ", ".join(f"{k} {_gib(v)}" for k, v in mem.items()),
-        f"disk: 2 checkpoints kept x ~{_gib(checkpoint)} (fp32 weights, the embedding, AdamW moments) + the drafter export "
-        f"~{_gib(2 * (sum(params.values()) - params['embed_tokens']) + dc.vocab_size + 8 * dc.draft_vocab_size)} "
-        "(bf16, no embedding)",
-        f"steps: ceil({n_conv:,} / ({t.batch_size} batch x {world_size} processes x {t.grad_accum} accum)) x "
+        f"disk: 2 checkpoints kept x ~{_gib(checkpoint)} (fp32 weights, the embedding, AdamW moments) + the drafter "
+        f"export ~{_gib(2 * unembedded + dc.vocab_size + 8 * dc.draft_vocab_size)} (bf16, no embedding)",
+        f"steps: ceil({sh.conversations:,} / ({t.batch_size} batch x {world_size} processes x {t.grad_accum} accum)) x "
         f"{t.epochs} epochs = {steps:,}",
-        f"time: {_hours(train_tokens, ('train', h, layers, 'bf16' if bf16 else 'no'))} for <= {train_tokens:,} tokens"]
-    if t.max_len < cap:
-        out["train"].append(f"WARNING: train.max_len {t.max_len:,} < {cap:,}, the longest sample data_gen can write: "
-                            "longer samples are cut in training (their tail's tokens never trained on)")
+        f"time: {_hours(train_tokens, key)} for <= {train_tokens:,} tokens"]
+    if t.max_len < sh.cap:
+        lines.append(f"WARNING: train.max_len {t.max_len:,} < {sh.cap:,}, the longest sample data_gen can write: "
+                     "longer samples are cut in training (their tail's tokens never trained on)")
+    return lines
+
+
+def _eval_lines(cfg: RunConfig) -> list[str]:
+    e = cfg.eval
     drafting = f"tree {e.draft_tree}" if e.draft_tree else f"chain K={e.draft_steps}"
-    out["eval"] = [
-        f"engine {e.engine}: {e.max_prompts} prompts ({e.prompts}) x <= {e.max_new_tokens} new tokens, {drafting}, "
-        f"temperature {e.temperature}; baseline and speculative: <= {2 * e.max_prompts * e.max_new_tokens:,} "
-        "target tokens"]
-    return out
+    return [f"engine {e.engine}: {e.max_prompts} prompts ({e.prompts}) x <= {e.max_new_tokens} new tokens, {drafting}, "
+            f"temperature {e.temperature}; baseline and speculative: <= {2 * e.max_prompts * e.max_new_tokens:,} "
+            "target tokens"]
+
+
+def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
+    """{stage: lines} for the four stages, plus "target"."""
+    tc = read_target_config(resolve_target(cfg))
+    aux = resolve_aux_layers(cfg.extract.aux_layers, tc["num_hidden_layers"])
+    dc = DrafterConfig.for_target(tc, aux, min(cfg.train.draft_vocab_size, tc["vocab_size"]))
+    sh = _Shape(tc, aux, dc, conversations(cfg), tokens_cap(cfg))
+    return {"target": _target_lines(cfg, sh), "data_gen": _data_gen_lines(cfg, sh), "extract": _extract_lines(cfg, sh),
+            "train": _train_lines(cfg, sh, world_size), "eval": _eval_lines(cfg)}
 
 
 def format_plan(cfg: RunConfig, stages: list[str] | None = None, world_size: int = 1, source: str = "") -> str:
