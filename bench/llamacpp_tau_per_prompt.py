@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.chat import eval_prompt_ids  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.speculative import speculative_generate  # noqa: E402
-from core.target import cache_root, resolve_target  # noqa: E402
 from eval.llamacpp_server import complete, served_by_llamacpp, spec_counters  # noqa: E402
 from eval.report import common_prefix  # noqa: E402
 from eval.run import load_engine  # noqa: E402
@@ -53,15 +52,15 @@ def main() -> int:
     ap.add_argument("--max-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     args = ap.parse_args()
-    cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}"])
+    convert = "" if args.target_outtype == "q4_1" else args.target_outtype  # q4_1: the embedded file
+    cfg = load_config(args.config, [f"eval.max_prompts={args.max_prompts}", f"eval.draft_steps={args.k}",
+                                    f"eval.gguf_outtype={args.outtype}", f"eval.target_outtype={convert}",
+                                    f"eval.draft_p_min={args.p_min}"])
     model, tok, drafter, stop = load_engine(cfg, args.drafter)
     items = eval_prompt_ids(cfg, tok, args.prompts)
-    convert = "" if args.target_outtype == "q4_1" else args.target_outtype  # q4_1: the embedded file
     rows = []
     with (tempfile.TemporaryDirectory() as tmp,
-          served_by_llamacpp(cache_root(cfg), resolve_target(cfg), Path(args.drafter), Path(tmp), args.k, 1,
-                             outtype=args.outtype, target_name=cfg.target.model, target_outtype=convert,
-                             p_min=args.p_min) as (base, spec)):
+          served_by_llamacpp(cfg, Path(args.drafter), Path(tmp), 1) as (base, spec)):
         print("| prompt | ours = llama.cpp base | llama.cpp spec = base | first differing token | τ ours | τ llama.cpp |\n"
               "|---|---|---|---|---|---|", flush=True)
         for pid, ids in items:

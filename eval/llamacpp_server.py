@@ -174,22 +174,26 @@ def target_gguf_choice(target_gguf: str, target_name: str, target_outtype: str, 
 
 
 @contextlib.contextmanager
-def served_by_llamacpp(cache: Path, target_dir: Path, draft_dir: Path, work_dir: Path, k: int, parallel: int,
-                       outtype: str = "f32", target_gguf: str = "", target_name: str = "", target_outtype: str = "",
-                       p_min: float = 0.0):
-    """Convert the drafter (and the target, where `target_gguf_choice` says so) with llama.cpp's converter
-    into work_dir, start a base and a speculative llama-server (K, p_min) with `parallel` slots, yield their URLs."""
+def served_by_llamacpp(cfg, draft_dir: Path, work_dir: Path, parallel: int):
+    """Convert the drafter (and the target, where `target_gguf_choice` says so) with llama.cpp's converter into
+    work_dir, start a base and a speculative llama-server with `parallel` slots, yield their URLs. From the run
+    config: the model cache, the target, eval.draft_steps (K), eval.draft_p_min, eval.gguf_outtype,
+    eval.target_gguf and eval.target_outtype."""
+    from core.target import cache_root, resolve_target
+
+    ev, cache, target_dir = cfg.eval, cache_root(cfg), resolve_target(cfg)
     binary = server_binary(cache)
     tree = llamacpp_tree(cache)
     work_dir = Path(work_dir)
-    draft_gguf = convert_drafter(tree, draft_dir, target_dir, work_dir / f"drafter-{outtype}.gguf", outtype)
-    target, convert_at = target_gguf_choice(target_gguf, target_name, target_outtype, outtype)
+    draft_gguf = convert_drafter(tree, draft_dir, target_dir, work_dir / f"drafter-{ev.gguf_outtype}.gguf",
+                                 ev.gguf_outtype)
+    target, convert_at = target_gguf_choice(ev.target_gguf, cfg.target.model, ev.target_outtype, ev.gguf_outtype)
     if target is None:
         target = convert_to_gguf(tree, target_dir, work_dir / f"target-{convert_at}.gguf", convert_at)
     log.info("llama.cpp: target %s, drafter %s (aux layers %s), K=%d, p_min %g, %d slots", target, draft_gguf,
-             gguf_target_layers(draft_gguf), k, p_min, parallel)
+             gguf_target_layers(draft_gguf), ev.draft_steps, ev.draft_p_min, parallel)
     with (LlamaServer(binary, target, parallel=parallel) as base,
-          LlamaServer(binary, target, draft_gguf, k=k, parallel=parallel, p_min=p_min) as spec):
+          LlamaServer(binary, target, draft_gguf, k=ev.draft_steps, parallel=parallel, p_min=ev.draft_p_min) as spec):
         yield base, spec
 
 

@@ -35,12 +35,10 @@ from core.manifest import check_compat, git_sha, read_manifest, write_manifest
 from core.speculative import speculative_generate
 from core.stage_lock import stage_lock
 from core.target import (
-    cache_root,
     end_of_turn_ids,
     load_target,
     load_target_embeddings,
     load_tokenizer,
-    resolve_target,
     target_info,
 )
 from eval.llamacpp_server import served_by_llamacpp
@@ -184,9 +182,7 @@ def evaluate(cfg: RunConfig, prompts: str | None, draft_dir: Path, out_dir: Path
         report.update(hf)
         if ev.engine == "llamacpp":
             gguf_dir = out_dir / "llamacpp"
-            with served_by_llamacpp(cache_root(cfg), resolve_target(cfg), draft_dir, gguf_dir, k,
-                                    max(ev.concurrency), ev.gguf_outtype, ev.target_gguf,
-                                    cfg.target.model, ev.target_outtype, ev.draft_p_min) as (base_url, spec_url):
+            with served_by_llamacpp(cfg, draft_dir, gguf_dir, max(ev.concurrency)) as (base_url, spec_url):
                 server = compare_servers(base_url, spec_url, items, n, ev.concurrency, "llamacpp")
             report.update({"hf_engine": {key: report[key] for key in hf}, **server_summary(server, k, ev.draft_p_min),
                            "device": "llama.cpp b11434 llama-server, CPU", "server": server})
