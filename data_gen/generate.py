@@ -175,9 +175,10 @@ def main(cfg: RunConfig, fresh: bool = False) -> Path:
         return generate(cfg, out, fresh)
 
 
-def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
+def open_backend(cfg: RunConfig) -> tuple:
+    """(tokenizer, end-of-turn strings, HFBackend or None): the in-process target for the hf backend, else only
+    the tokenizer and generation config. A template we can't segment fails here, before any request is sent."""
     dg = cfg.data_gen
-    torch.manual_seed(cfg.seed)
     if dg.backend == "hf":
         model, tok = load_target(cfg)
         gen_cfg = model.generation_config
@@ -188,27 +189,68 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
             gen_cfg = GenerationConfig.from_pretrained(resolve_target(cfg), local_files_only=True)
         except OSError:
             gen_cfg = None
-    eot, thash = end_of_turn_strings(cfg, tok, gen_cfg), template_hash(tok.chat_template)
-    try:  # a template we can't segment fails here, before any request is sent
+    eot = end_of_turn_strings(cfg, tok, gen_cfg)
+    try:
         tokenize_conversation(tok, PROBE, eot, [False] * 4, dg.chat_template_kwargs, dg.reasoning == "render")
     except TemplateError as e:
         raise UserError(f"target {cfg.target.model}: {e}") from None
-    if dg.backend == "hf":
-        stop = sorted(set(end_of_turn_ids(tok, gen_cfg)) | set(tok.convert_tokens_to_ids(eot)))
-        graphs, fuse = decode_options(dg, model.device)
-        log.info("hf backend on %s: decode steps %s%s", model.device, "as CUDA graphs" if graphs else "eager",
-                 f", fused by torch.compile ({fuse})" if fuse else "")
-        backend = HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, cfg.seed,
-                            resolve_precision(dg.mixed_precision) == "bf16", graphs, fuse)
+    if dg.backend != "hf":
+        return tok, eot, None
+    stop = sorted(set(end_of_turn_ids(tok, gen_cfg)) | set(tok.convert_tokens_to_ids(eot)))
+    graphs, fuse = decode_options(dg, model.device)
+    log.info("hf backend on %s: decode steps %s%s", model.device, "as CUDA graphs" if graphs else "eager",
+             f", fused by torch.compile ({fuse})" if fuse else "")
+    return tok, eot, HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, cfg.seed,
+                               resolve_precision(dg.mixed_precision) == "bf16", graphs, fuse)
 
-    def regenerate(chosen):  # similar lengths batch together
-        return [c for p, ids in sorted(chosen, key=lambda x: len(x[1]))
-                for c in regenerations(p, dg.max_turns, dg.n, dg.request_seed)]
 
+def regenerate(dg, chosen) -> list[Regeneration]:
+    """The conversations to regenerate from (prompt, ids) pairs; similar lengths batch together."""
+    return [c for p, ids in sorted(chosen, key=lambda x: len(x[1]))
+            for c in regenerations(p, dg.max_turns, dg.n, dg.request_seed)]
+
+
+def run_backend(cfg: RunConfig, todo: list[Regeneration], tok, backend: HFBackend | None, sink, bar) -> tuple:
+    """Every conversation in `todo` through the configured backend -> (completed, failures by kind); whatever
+    finished is committed, even when the run is stopped by an error."""
+    dg, failed, completed = cfg.data_gen, Counter(), True
+    thinking = thinking_style(tok, dg.reasoning, dg.chat_template_kwargs)
+    try:
+        if dg.backend == "hf":
+            completed = run_hf(todo, backend, tok, cfg, sink, bar)
+        elif dg.backend == "dataset":
+            run_dataset(todo, tok, dg, thinking, sink, bar)
+        else:
+            failed = asyncio.run(run_openai(todo, tok, cfg, sink, bar, thinking))
+    finally:
+        sink.flush()
+        bar.close()
+    return completed, failed
+
+
+def run_summary(sink, selected: int, skipped: Counter, failed: Counter, wall: float, total: int, completed: bool,
+                backend: str) -> dict:
+    """summary.json: this run's counts (conversations, samples, tokens, truncation, skips, errors) and the total."""
+    s = sink.stats
+    return {"backend": backend, "selected": selected, "generated_now": s["conversations"],
+            "samples_now": s["samples"], "tokens_now": s["tokens"], "loss_tokens_now": s["loss_tokens"],
+            "assistant_turns_now": s["turns"],
+            "truncation_rate_now": round(s["truncated"] / max(1, s["conversations"]), 4),
+            "ended_by_now": {k.removeprefix("ended_by_"): v for k, v in s.items() if k.startswith("ended_by_")},
+            "input_skipped": dict(skipped), "output_skipped_now": dict(sink.skipped),
+            "errors_now": dict(failed), "wall_s": round(wall, 1),
+            "conversations_total": total, **({} if completed else {"stopped_by": "SIGTERM"})}
+
+
+def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
+    dg = cfg.data_gen
+    torch.manual_seed(cfg.seed)
+    tok, eot, backend = open_backend(cfg)
+    thash = template_hash(tok.chat_template)
     skipped: Counter[str] = Counter()
     prompts = load_prompts(dg.prompts, "train", dg.heldout_percent, dg.on_bad_record == "strict", skipped)
     chosen = fitting_prompts(prompts, tok, dg.max_prompt_tokens, dg.num_samples, skipped, dg.max_turns)
-    convs = regenerate(chosen)
+    convs = regenerate(dg, chosen)
     if not convs:
         raise UserError(f"data_gen.prompts = {dg.prompts!r}: no prompt is left to generate from (skipped: "
                         f"{dict(skipped)}); check the file or raise data_gen.max_prompt_tokens")
@@ -221,37 +263,20 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
     if n := remove_partial_writes(out):
         log.info("removed %d part files cut short by a kill (their conversations are redone)", n)
     if dg.self_prompts:
-        own = target_written_prompts(cfg, tok, out, backend if dg.backend == "hf" else None)
-        convs = regenerate(chosen + fitting_prompts(own, tok, dg.max_prompt_tokens, dg.self_prompts, skipped,
-                                                    dg.max_turns))
+        own = target_written_prompts(cfg, tok, out, backend)
+        convs = regenerate(dg, chosen + fitting_prompts(own, tok, dg.max_prompt_tokens, dg.self_prompts, skipped,
+                                                        dg.max_turns))
     done = done_ids(out)
     todo = [c for c in convs if c.id not in done]
     log.info("%d conversations selected (input skipped: %s), %d already done, %d to generate",
              len(convs), dict(skipped), len(convs) - len(todo), len(todo))
-
     sink = PartSink(out, dg.part_samples, lambda c: to_rows(c, tok, eot, dg.reasoning, dg.chat_template_kwargs,
                                                             cfg.target.model, thash), dg.drop_truncated)
     bar = tqdm(total=len(todo), desc="generate", unit="conv", smoothing=0.05)
-    t0, failed, completed = time.time(), Counter(), True
-    try:
-        if dg.backend == "hf":
-            completed = run_hf(todo, backend, tok, cfg, sink, bar)
-        elif dg.backend == "dataset":
-            run_dataset(todo, tok, dg, thinking_style(tok, dg.reasoning, dg.chat_template_kwargs), sink, bar)
-        else:
-            failed = asyncio.run(run_openai(todo, tok, cfg, sink, bar, thinking_style(tok, dg.reasoning, dg.chat_template_kwargs)))
-    finally:
-        sink.flush()  # whatever finished is committed, even when the run is stopped by an error
-        bar.close()
-    s = sink.stats
-    summary = {"backend": dg.backend, "selected": len(convs), "generated_now": s["conversations"],
-               "samples_now": s["samples"], "tokens_now": s["tokens"], "loss_tokens_now": s["loss_tokens"],
-               "assistant_turns_now": s["turns"],
-               "truncation_rate_now": round(s["truncated"] / max(1, s["conversations"]), 4),
-               "ended_by_now": {k.removeprefix("ended_by_"): v for k, v in s.items() if k.startswith("ended_by_")},
-               "input_skipped": dict(skipped), "output_skipped_now": dict(sink.skipped),
-               "errors_now": dict(failed), "wall_s": round(time.time() - t0, 1),
-               "conversations_total": len(done_ids(out)), **({} if completed else {"stopped_by": "SIGTERM"})}
+    t0 = time.time()
+    completed, failed = run_backend(cfg, todo, tok, backend, sink, bar)
+    summary = run_summary(sink, len(convs), skipped, failed, time.time() - t0, len(done_ids(out)), completed,
+                          dg.backend)
     atomic_write_json(out / "summary.json", summary)
     write_manifest(out, "data_gen", cfg, compat, summary, {"prompts": dg.prompts}, settings)
     log.info("conversations in %s: %s", out, summary)
