@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from core.atomic_io import atomic_write
 from core.errors import UserError
-from core.manifest import check_compat, read_manifest
+from core.manifest import check_compat, read_finished_manifest
 
 FEATURES = datasets.Features({
     "id": datasets.Value("string"),
@@ -62,7 +62,7 @@ def read_conversations(conv_dir: Path) -> datasets.Dataset:
 def read_conversations_for(conv_dir: Path, target: str) -> tuple[dict, datasets.Dataset]:
     """What a consumer of conversations reads (extract, and train with train.source=online): data_gen's
     manifest, checked to be for `target`, and every committed row -> (manifest, rows)."""
-    manifest = read_manifest(conv_dir, "generate")
+    manifest = read_finished_manifest(conv_dir, "generate")
     check_compat(manifest, {"target": target}, conv_dir)
     return manifest, read_conversations(conv_dir)
 

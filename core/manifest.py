@@ -64,6 +64,20 @@ def read_manifest(in_dir: Path, producer: str) -> dict:
         raise UserError(f"{path}: not valid JSON ({e}); re-run `make {producer}`") from None
 
 
+IN_PROGRESS = "in progress"
+
+
+def read_finished_manifest(in_dir: Path, producer: str) -> dict:
+    """An upstream stage's manifest, refused while it says the stage has not finished: a process still writing
+    there, or one that was killed (its rerun finishes it). Reading it anyway trains on part of the data."""
+    manifest = read_manifest(in_dir, producer)
+    if manifest.get("counts", {}).get("status") == IN_PROGRESS:
+        raise UserError(f"{Path(in_dir) / MANIFEST}: the {manifest.get('stage', producer)} stage has not finished "
+                        f"there (its manifest says {IN_PROGRESS!r}: another process is still writing, or it was "
+                        f"stopped); wait for it, or rerun `make {producer}` to finish it")
+    return manifest
+
+
 def check_compat(manifest: dict, expected: dict, where: Path) -> None:
     """Fail with both values printed when an upstream artifact was made for something else."""
     have = manifest.get("compat", {})

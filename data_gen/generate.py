@@ -30,7 +30,7 @@ from core.config import RunConfig
 from core.conversations import done_ids, template_hash, write_part
 from core.decode_step import FUSE_MODES
 from core.errors import UserError
-from core.manifest import open_stage_dir, write_manifest
+from core.manifest import IN_PROGRESS, open_stage_dir, write_manifest
 from core.prompts import load_prompts
 from core.stage_lock import stage_lock
 from core.stop_signal import sigterm_requests_stop
@@ -259,7 +259,7 @@ def generate(cfg: RunConfig, out: Path, fresh: bool) -> Path:
     settings = generation_settings(cfg, thash)  # checked before any "done" id is skipped
     open_stage_dir(out, "data_gen", settings, fresh)
     compat = {"target": cfg.target.model, "template_hash": thash}
-    write_manifest(out, "data_gen", cfg, compat, {"status": "in progress"}, {"prompts": dg.prompts}, settings)
+    write_manifest(out, "data_gen", cfg, compat, {"status": IN_PROGRESS}, {"prompts": dg.prompts}, settings)
     if n := remove_partial_writes(out):
         log.info("removed %d part files cut short by a kill (their conversations are redone)", n)
     if dg.self_prompts:

@@ -21,7 +21,7 @@ from core.conversations import read_conversations_for
 from core.errors import UserError
 from core.hidden_capture import capture_compat, extract_batch
 from core.hidden_shards import ShardWriter
-from core.manifest import open_stage_dir, write_manifest
+from core.manifest import IN_PROGRESS, open_stage_dir, write_manifest
 from core.stage_lock import stage_lock
 from core.target import load_target, resolve_precision, target_info
 from extract.hf_engine import batches_by_tokens
@@ -45,7 +45,7 @@ def extract(cfg: RunConfig, out: Path, fresh: bool) -> Path:
     # the conversations' own settings, not their count: more conversations of the same settings extend the shards
     settings = {"conversations": conv_manifest.get("fingerprint"), "target.dtype": cfg.target.dtype, **compat}
     open_stage_dir(out, "extract", settings, fresh)
-    write_manifest(out, "extract", cfg, compat, {"status": "in progress"}, {"conversations": str(conv_dir)}, settings)
+    write_manifest(out, "extract", cfg, compat, {"status": IN_PROGRESS}, {"conversations": str(conv_dir)}, settings)
 
     writer = ShardWriter(out, info.hidden_size, ex.dtype, ex.shard_mb, ex.spans)
     todo = [i for i, sid in enumerate(convs["id"]) if sid not in writer.done]

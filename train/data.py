@@ -20,7 +20,7 @@ from tqdm import tqdm
 from core.config import RunConfig
 from core.errors import UserError
 from core.hidden_shards import HiddenShards, teacher_positions
-from core.manifest import check_compat, read_manifest
+from core.manifest import check_compat, read_finished_manifest
 from core.target import TargetHead
 from train.ttt_loss import teacher_argmax
 
@@ -47,7 +47,7 @@ class ShardSource:
 
     def __init__(self, cfg: RunConfig, device: torch.device):
         self.dir, self.device = cfg.run_path / "hidden", device
-        self.manifest = read_manifest(self.dir, "extract")
+        self.manifest = read_finished_manifest(self.dir, "extract")
         check_compat(self.manifest, {"target": cfg.target.model}, self.dir)
         self.shards = HiddenShards(self.dir)
         if cfg.train.loss_on_prompt and not self.shards.final_everywhere:  # before anything is written
