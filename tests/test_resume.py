@@ -231,3 +231,19 @@ def test_rank_slots_split_the_rest_of_an_epoch_once_over_any_world_size():
     total, n, warm = 40, 4, 2  # 10 steps of 4 samples, 2 warmup steps
     old = [(k + 1) / warm if k < warm else 0.5 * (1 + math.cos(math.pi * (k - warm) / (10 - warm))) for k in range(10)]
     assert [lr_factor(k * n, (k + 1) * n, total, warm * n) for k in range(10)] == pytest.approx(old)
+
+
+def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path):
+    """kill -9 after some logged steps but before the first checkpoint: the rerun starts over at step 0, and
+    metrics.jsonl (so curves.png) holds each step once, not the killed run's steps and then the same again."""
+    run_dir = tmp_path / "run"
+    f = flags(run_dir, "data_gen.num_samples=8", "train.epochs=2", "train.batch_size=2", "train.log_every=1",
+              "train.save_every=1000")
+    for stage in ("data_gen", "extract"):
+        run_stage(stage, *f)
+    metrics = run_dir / "train/metrics.jsonl"
+    kill_when(["train", *f], lambda: metrics.exists() and metrics.read_text().count("\n") >= 2)
+    assert not (run_dir / "train/checkpoints/latest.json").exists()
+    run_stage("train", *f)
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 9)), steps

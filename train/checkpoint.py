@@ -59,7 +59,13 @@ def load_checkpoint(accelerator: Accelerator, ckpt_root: Path, latest: dict, log
     log.info("resumed from %s (step %d, epoch %d, %d samples of the epoch done; written by %d process(es), "
              "now %d)", latest["path"], latest["step"], latest["epoch"], latest["epoch_samples"],
              latest["world_size"], accelerator.num_processes)
+    trim_logs(accelerator, logs, latest["step"])
+
+
+def trim_logs(accelerator: Accelerator, logs: list[Path], step: int) -> None:
+    """Drop the rows of `logs` after `step`: a run resumed there (or started over, step 0, when it was killed
+    before its first checkpoint) logs those steps again, and curves.png must not draw them twice."""
     if accelerator.is_main_process:
         for path in filter(Path.is_file, logs):
-            kept = [r for r in read_jsonl(path) if r["step"] <= latest["step"]]
+            kept = [r for r in read_jsonl(path) if r["step"] <= step]
             atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))

@@ -29,7 +29,7 @@ from core.errors import UserError
 from core.manifest import open_stage_dir, write_manifest
 from core.stage_lock import stage_lock
 from core.target import TargetHead, load_target_embeddings, read_target_config, resolve_precision, target_info
-from train.checkpoint import load_checkpoint, read_latest
+from train.checkpoint import load_checkpoint, read_latest, trim_logs
 from train.data import ShardSource, aux_rms
 from train.draft_vocab import COUNTS_FILE, build_draft_vocab, counts_record, d2t_offsets, token_counts
 from train.fit import Fit, fit
@@ -252,9 +252,12 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.batch_size
     objective, opt = accelerator.prepare(objective, opt)
     step, epoch, epoch_samples = 0, 0, 0
+    logs = [train_dir / "metrics.jsonl", train_dir / "samples.jsonl"]
     if latest:
-        load_checkpoint(accelerator, ckpt_root, latest, [train_dir / "metrics.jsonl", train_dir / "samples.jsonl"])
+        load_checkpoint(accelerator, ckpt_root, latest, logs)
         step, epoch, epoch_samples = latest["step"], latest["epoch"], latest["epoch_samples"]
+    else:
+        trim_logs(accelerator, logs, 0)
     if tc.wandb_mode != "disabled":  # the mode travels with the run, not through a process-wide env var
         accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg), init_kwargs={
             "wandb": {"dir": str(train_dir), "name": cfg.name, "mode": tc.wandb_mode}})
