@@ -5,7 +5,9 @@ earlier turns splits one conversation into several samples), messages [{role, co
 reasoning_content}], input_ids int32[], loss_mask uint8[] (1 exactly on tokens the target generated,
 end-of-turn included), finish_reason ("length" if any answer hit max_tokens, else "stop"), turns
 (assistant turns), template_hash, model_id. Parts are append-only and committed atomically, so the
-set of conversation ids already written is the resume point.
+set of conversation ids already written is the resume point. Each part has its sha256 beside it
+(`part-NNNNN.parquet.sha256`, committed before the part), checked by every reader: a changed byte or a cut
+file is one line naming the part, never rows read from it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from core.atomic_io import atomic_write
@@ -42,20 +45,46 @@ def part_files(conv_dir: Path) -> list[Path]:
     return sorted(Path(conv_dir).glob("part-*.parquet"))
 
 
+def _digest_path(part: Path) -> Path:
+    return part.with_name(part.name + ".sha256")
+
+
 def write_part(conv_dir: Path, rows: list[dict]) -> Path:
-    """Commit rows as the next part file (atomic)."""
+    """Commit rows as the next part file (atomic), its sha256 first: a part on disk always has its digest."""
     conv_dir = Path(conv_dir)
-    n = len(part_files(conv_dir))
+    n = max((int(f.name[5:10]) for f in part_files(conv_dir)), default=-1) + 1  # past a part removed by hand
     ds = datasets.Dataset.from_list(rows, features=FEATURES)
     # pyarrow directly: the same file (features in its schema metadata) without a progress bar per part
-    return atomic_write(conv_dir / f"part-{n:05d}.parquet", lambda p: pq.write_table(ds.data.table, str(p)))
+    out = pa.BufferOutputStream()
+    pq.write_table(ds.data.table, out)
+    data = out.getvalue().to_pybytes()
+    part = conv_dir / f"part-{n:05d}.parquet"
+    atomic_write(_digest_path(part), lambda p: p.write_text(hashlib.sha256(data).hexdigest() + "\n"))
+    return atomic_write(part, lambda p: p.write_bytes(data))
+
+
+def read_part(part: Path, columns: list[str] | None = None) -> pa.Table:
+    """A committed part, its bytes checked against the sha256 data_gen wrote beside it."""
+    remedy = "delete it (and its .sha256) and rerun data_gen to regenerate its conversations"
+    digest = _digest_path(part)
+    if not digest.is_file():
+        raise UserError(f"{part}: no {digest.name} beside it (written by an older version or by hand), so its "
+                        f"bytes cannot be checked: {remedy}")
+    data = part.read_bytes()
+    if hashlib.sha256(data).hexdigest() != digest.read_text().strip():
+        raise UserError(f"{part}: its bytes changed since data_gen wrote it (sha256 differs from {digest.name}): "
+                        f"{remedy}")
+    try:
+        return pq.read_table(pa.BufferReader(data), columns=columns)
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{part}: not a readable parquet part ({e}): {remedy}") from None
 
 
 def read_conversations(conv_dir: Path) -> datasets.Dataset:
     files = part_files(conv_dir)
     if not files:
         raise UserError(f"no conversations in {conv_dir}: run `make generate` first")
-    tables = [pq.read_table(f) for f in files]
+    tables = [read_part(f) for f in files]
     return datasets.concatenate_datasets([datasets.Dataset(t) for t in tables])
 
 
@@ -70,4 +99,4 @@ def read_conversations_for(conv_dir: Path, target: str) -> tuple[dict, datasets.
 def done_ids(conv_dir: Path) -> set[str]:
     """Conversation ids in committed parts (what a rerun skips)."""
     return {i for f in part_files(conv_dir)
-            for i in pq.read_table(f, columns=["conversation_id"]).column("conversation_id").to_pylist()}
+            for i in read_part(f, ["conversation_id"]).column("conversation_id").to_pylist()}
