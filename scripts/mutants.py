@@ -17,7 +17,8 @@ groups), P1-P3 data_gen's pool of requests across parts (full `hf` calls), P4-P5
 sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights),
 E1-E2 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter), R1-R3 the eager TTT
 steps pruned to the rows a later step counts (TTTObjective's prune_rows), KM1-KM6 issue 48's Kimi-K2.5 failures
-put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval.
+put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V3 issue 50's unfinished upstream,
+conversations part checksums and logs of a run killed before its first checkpoint.
 """
 
 from __future__ import annotations
@@ -301,6 +302,15 @@ MUTANTS = [
     Mutant("KM6", "the exported config.json's head_dim is not the one the tensors were built with",
            "core/drafter_config.py", '"head_dim": self.head_dim,', '"head_dim": 2 * self.head_dim,',
            ("tests/test_target_configs.py::test_full_size_export_loads_in_sglang_with_every_shape",)),
+    Mutant("V1", "a stage reads an upstream whose manifest says in progress", "core/manifest.py",
+           '    if manifest.get("counts", {}).get("status") == IN_PROGRESS:', "    if False:",
+           ("tests/test_run_integrity.py::test_a_stage_refuses_an_upstream_that_has_not_finished",)),
+    Mutant("V2", "a conversations part's sha256 is never compared", "core/conversations.py",
+           "    if hashlib.sha256(data).hexdigest() != digest.read_text().strip():", "    if False:",
+           ("tests/test_run_integrity.py::test_a_damaged_conversations_part_is_one_line_naming_it",)),
+    Mutant("V3", "a run killed before its first checkpoint keeps its logged steps (logged twice)", "train/loop.py",
+           "        trim_logs(accelerator, logs, 0)", "        pass",
+           ("tests/test_resume.py::test_a_run_killed_before_its_first_checkpoint_logs_each_step_once",)),
 ]
 
 
