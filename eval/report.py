@@ -123,10 +123,16 @@ def _markdown(r: dict) -> str:
                  + (f" ({dtype} target: the K+1-token verification and the one-token baseline step round differently, "
                     "so near-ties can part; exact equality holds in float32)" if dtype != "float32" else
                     " (float32: not expected from rounding; a bug until shown otherwise)"))
-    text = f"""# EAGLE-3 drafter: speculative decoding report
+    seen = r.get("trained_on_prompts")
+    warning = (f"> **Measured on training prompts: {len(seen)} of {r['num_prompts']} eval prompts were in this "
+               "drafter's training data, where τ reads higher than on held-out prompts.**\n\n" if seen else "")
+    checked = ("none of them in the drafter's training data" if seen == [] else
+               "not checked against the training data (the drafter has no record of it)" if seen is None else
+               f"{len(seen)} in the drafter's training data")
+    text = f"""{warning}# EAGLE-3 drafter: speculative decoding report
 
-Target `{r['target']}` on `{r['device']}`, drafter `{r['drafter']}`, prompts `{r['prompts']}`,
-{_mode(r)}, {where}.
+Target `{r['target']}` on `{r['device']}`, drafter `{r['drafter']}`, prompts `{r['prompts']}`
+({r.get('prompts_split', '')}; {r['num_prompts']} prompts, {checked}), {_mode(r)}, {where}.
 
 | metric | value |
 |---|---|

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from core import trained_prompts
 from core.chat import eval_prompt_ids
 from core.config import RunConfig, check_ranges, to_dict
 from core.cpu_linear import split_cpu_linears
@@ -157,13 +158,26 @@ def drafter_manifest(cfg: RunConfig, draft_dir: Path) -> dict:
     return manifest
 
 
+def prompts_split(cfg: RunConfig, prompts: str | None) -> str:
+    source = prompts or cfg.eval.prompts
+    if source != "heldout":
+        return f"the file {source}"
+    return (f"held-out split of {cfg.data_gen.prompts}: {cfg.data_gen.heldout_percent:g}% of its prompt ids by hash, "
+            "never given to data_gen")
+
+
 def evaluate(cfg: RunConfig, prompts: str | None, draft_dir: Path, out_dir: Path) -> dict:
     ev = cfg.eval
     drafted_by = drafter_manifest(cfg, draft_dir) if ev.engine != "server" else {}
     items = eval_prompt_ids(cfg, load_tokenizer(cfg), prompts)
     k, n = ev.draft_steps, ev.max_new_tokens
+    seen = trained_prompts.trained_on(draft_dir, items)
+    if seen:
+        log.warning("%d of %d eval prompts were in the drafter's training data: its τ on them reads higher than on "
+                    "held-out prompts (the report says so first)", len(seen), len(items))
     report = {"engine": ev.engine, "target": cfg.target.model, "drafter": str(draft_dir),
               "drafter_fingerprint": drafted_by.get("fingerprint"), "prompts": prompts or ev.prompts,
+              "prompts_split": prompts_split(cfg, prompts), "trained_on_prompts": seen,
               "max_new_tokens": n, "git_sha": git_sha(), "config": to_dict(cfg)}
     results: list[dict] = []
     if ev.engine == "server" and ev.server_pass != "both":

@@ -17,8 +17,8 @@ groups), P1-P3 data_gen's pool of requests across parts (full `hf` calls), P4-P5
 sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights),
 E1-E2 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter), R1-R3 the eager TTT
 steps pruned to the rows a later step counts (TTTObjective's prune_rows), KM1-KM6 issue 48's Kimi-K2.5 failures
-put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V3 issue 50's unfinished upstream,
-conversations part checksums and logs of a run killed before its first checkpoint.
+put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V4 issue 50's unfinished upstream,
+conversations part checksums, logs of a run killed before its first checkpoint and eval on training prompts.
 """
 
 from __future__ import annotations
@@ -311,6 +311,10 @@ MUTANTS = [
     Mutant("V3", "a run killed before its first checkpoint keeps its logged steps (logged twice)", "train/loop.py",
            "        trim_logs(accelerator, logs, 0)", "        pass",
            ("tests/test_resume.py::test_a_run_killed_before_its_first_checkpoint_logs_each_step_once",)),
+    Mutant("V4", "eval measures on the training split instead of the held-out one", "core/chat.py",
+           'load_prompts(cfg.data_gen.prompts, "heldout", cfg.data_gen.heldout_percent)',
+           'load_prompts(cfg.data_gen.prompts, "train", cfg.data_gen.heldout_percent)',
+           ("tests/test_pipeline.py::test_report_contract",)),
 ]
 
 

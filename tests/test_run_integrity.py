@@ -314,3 +314,20 @@ def test_a_part_removed_by_hand_is_regenerated_without_overwriting_another(tmp_p
     from core.conversations import read_conversations
     ids = read_conversations(conv)["conversation_id"]
     assert len(ids) == 12 and len(set(ids)) == 12
+
+
+def test_eval_on_training_prompts_says_so_first(run, overfit_tiny, tmp_path):
+    """Eval pointed at prompts the drafter trained on (here all 12 of the tiny run's) measures a τ far above the
+    held-out one: the report's first line says so and report.json names them; the same drafter on held-out prompts
+    reports none (test_pipeline)."""
+    run_dir, flags = run
+    prompts = overfit_tiny[3]
+    out = tmp_path / "eval"
+    run_stage("eval", *flags, "--prompts", str(prompts), "--out", str(out), "--max-prompts", "4",
+              "--max-new-tokens", "8")
+    r = json.loads((out / "report.json").read_text())
+    assert len(r["trained_on_prompts"]) == 4 == r["num_prompts"]
+    assert (out / "report.md").read_text().startswith("> **Measured on training prompts: 4 of 4 eval prompts")
+    held = tmp_path / "held"
+    run_stage("eval", *flags, "--out", str(held), "--max-prompts", "2", "--max-new-tokens", "8")
+    assert json.loads((held / "report.json").read_text())["trained_on_prompts"] == []

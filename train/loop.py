@@ -22,6 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from core import trained_prompts
 from core.atomic_io import atomic_write_json, read_jsonl
 from core.config import RunConfig, to_dict
 from core.drafter import DrafterConfig, Eagle3Drafter
@@ -183,6 +184,7 @@ def export(cfg: RunConfig, drafter: Eagle3Drafter, source, step: int, coverage: 
     out = cfg.run_path / "drafter" if epoch is None else train_dir / "epochs" / f"epoch-{epoch}"
     drafter.save_pretrained(out)
     atomic_write_json(out / COUNTS_FILE, vocab_counts)
+    trained_prompts.write(out, {trained_prompts.sample_prompt_digest(ids, mask) for ids, mask in source.token_pairs()})
     rows = read_jsonl(train_dir / "metrics.jsonl")
     if epoch is None:
         plot_curves(rows, train_dir / "curves.png")
