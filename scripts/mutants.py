@@ -17,8 +17,8 @@ groups), P1-P3 data_gen's pool of requests across parts (full `hf` calls), P4-P5
 sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights),
 E1-E2 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter), R1-R3 the eager TTT
 steps pruned to the rows a later step counts (TTTObjective's prune_rows), KM1-KM6 issue 48's Kimi-K2.5 failures
-put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V4 issue 50's unfinished upstream,
-conversations part checksums, logs of a run killed before its first checkpoint and eval on training prompts.
+put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V5 issue 50's unfinished upstream,
+conversations part checksums, logs of a run killed before its first checkpoint and eval on training prompts, the lossless check.
 """
 
 from __future__ import annotations
@@ -315,6 +315,9 @@ MUTANTS = [
            'load_prompts(cfg.data_gen.prompts, "heldout", cfg.data_gen.heldout_percent)',
            'load_prompts(cfg.data_gen.prompts, "train", cfg.data_gen.heldout_percent)',
            ("tests/test_pipeline.py::test_report_contract",)),
+    Mutant("V5", "the lossless check never compares the two outputs", "eval/run.py",
+           '"match": base.tokens == out.tokens if t == 0 else None', '"match": True if t == 0 else None',
+           ("tests/test_run_integrity.py::test_a_speculative_output_that_differs_by_one_token_makes_the_report_say_no",)),
 ]
 
 

@@ -331,3 +331,27 @@ def test_eval_on_training_prompts_says_so_first(run, overfit_tiny, tmp_path):
     held = tmp_path / "held"
     run_stage("eval", *flags, "--out", str(held), "--max-prompts", "2", "--max-new-tokens", "8")
     assert json.loads((held / "report.json").read_text())["trained_on_prompts"] == []
+
+
+def test_a_speculative_output_that_differs_by_one_token_makes_the_report_say_no(run, monkeypatch, tmp_path):
+    """The lossless check, tested by a planted mismatch: the speculative engine's answer to one prompt with one
+    token changed must make report.json's outputs_match_baseline false, name that prompt, and the report say no."""
+    from core.config import load_config
+    from eval import run as eval_run
+
+    run_dir, flags = run
+    real = eval_run.speculative_generate
+    calls = []
+
+    def one_token_off(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:  # the warm-up is call 1; the second prompt's answer gets one token changed
+            out.tokens[1] = out.tokens[1] + 1
+        return out
+
+    monkeypatch.setattr(eval_run, "speculative_generate", one_token_off)
+    cfg = load_config(ROOT / "configs/tiny-random-llama.yaml", [f"run_dir={run_dir}", *flags[4:]])
+    r = eval_run.main(cfg, out=str(tmp_path / "eval"), max_prompts=3, max_new_tokens=8)
+    assert r["outputs_match_baseline"] is False and len(r["mismatched_prompts"]) == 1
+    assert "| outputs identical to the baseline | **no**: 2/3 prompts identical" in (tmp_path / "eval/report.md").read_text()
