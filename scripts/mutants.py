@@ -17,8 +17,9 @@ groups), P1-P3 data_gen's pool of requests across parts (full `hf` calls), P4-P5
 sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights),
 E1-E2 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter), R1-R3 the eager TTT
 steps pruned to the rows a later step counts (TTTObjective's prune_rows), KM1-KM6 issue 48's Kimi-K2.5 failures
-put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V5 issue 50's unfinished upstream,
-conversations part checksums, logs of a run killed before its first checkpoint and eval on training prompts, the lossless check.
+put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V7 issue 50's unfinished upstream,
+conversations part checksums, logs of a run killed before its first checkpoint and eval on training prompts, the lossless check, loss decay
+and gradient clipping in the gradient.
 """
 
 from __future__ import annotations
@@ -318,6 +319,14 @@ MUTANTS = [
     Mutant("V5", "the lossless check never compares the two outputs", "eval/run.py",
            '"match": base.tokens == out.tokens if t == 0 else None', '"match": True if t == 0 else None',
            ("tests/test_run_integrity.py::test_a_speculative_output_that_differs_by_one_token_makes_the_report_say_no",)),
+    Mutant("V6", "train.loss_decay weights the logged loss only, not the gradient", "train/ttt_loss.py",
+           "    scales = decay ** torch.arange(steps, device=aux.device) / counts.clamp(min=1)",
+           "    scales = 1.0 ** torch.arange(steps, device=aux.device) / counts.clamp(min=1)",
+           ("tests/test_drafter.py::test_loss_decay_weights_each_steps_gradient",)),
+    Mutant("V7", "gradient clipping switched off", "train/fit.py",
+           "norm = accelerator.clip_grad_norm_(f.objective.parameters(), tc.grad_clip)",
+           "norm = accelerator.clip_grad_norm_(f.objective.parameters(), float('inf'))",
+           ("tests/test_run_integrity.py::test_every_optimizer_step_sees_gradients_clipped_to_grad_clip",)),
 ]
 
 

@@ -230,3 +230,24 @@ def test_from_pretrained_refuses_a_model_it_would_not_serve_as_the_engines_do(tm
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=error):
         Eagle3Drafter.from_pretrained(tmp_path, d.embed_tokens.weight.data, "llama", 8)
+
+
+def test_loss_decay_weights_each_steps_gradient():
+    """The TTT loss is Σ_k decay^k · mean loss of step k, in the value and in the gradient: at K=2 the gradient is
+    g0 + decay·g1, linear in decay, so g(1) - g(0.5) = 2 (g(0.5) - g(0.25)) with g1 != 0, and the value equals the
+    weighted sum of the per-step means it reports (as computed here from its own sums)."""
+    aux, ids, mask, final = batch()
+    d = make_drafter()
+    teacher = teacher_of(d, final, mask, torch.randn(V, H) * 3)
+    grads, values = {}, {}
+    for decay in (1.0, 0.5, 0.25):
+        d.zero_grad()
+        loss, m = ttt_loss(d, aux, ids, mask, teacher, 2, decay)
+        loss.backward()
+        grads[decay] = torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None])
+        per_step = m["loss_sum"] / m["count"]
+        assert loss.item() == pytest.approx((per_step[0] + decay * per_step[1]).item(), rel=1e-5)
+        values[decay] = loss.item()
+    g1 = (grads[1.0] - grads[0.5]) / 0.5
+    assert g1.abs().max() > 1e-4  # step 1 has a gradient of its own
+    torch.testing.assert_close(grads[0.5] - grads[0.25], 0.25 * g1, rtol=1e-3, atol=1e-6)

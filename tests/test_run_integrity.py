@@ -355,3 +355,26 @@ def test_a_speculative_output_that_differs_by_one_token_makes_the_report_say_no(
     r = eval_run.main(cfg, out=str(tmp_path / "eval"), max_prompts=3, max_new_tokens=8)
     assert r["outputs_match_baseline"] is False and len(r["mismatched_prompts"]) == 1
     assert "| outputs identical to the baseline | **no**: 2/3 prompts identical" in (tmp_path / "eval/report.md").read_text()
+
+
+def test_every_optimizer_step_sees_gradients_clipped_to_grad_clip(run, monkeypatch):
+    """train.grad_clip reaches the step: the gradients the optimizer steps on have a total norm of at most
+    grad_clip (0.01 here, far under a fresh drafter's), and exactly that where the raw norm was above it."""
+    from train import loop
+
+    run_dir, flags = run
+    norms = []
+    make = loop.make_optimizer
+
+    def recording(params, tc):
+        opt = make(params, tc)
+        opt.register_step_pre_hook(lambda o, args, kwargs: norms.append(float(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad) for g in o.param_groups for p in g["params"]
+                         if p.grad is not None])))))
+        return opt
+
+    monkeypatch.setattr(loop, "make_optimizer", recording)
+    run_stage("train", *flags, "--fresh", "train.grad_clip=0.01", "train.epochs=1")
+    assert len(norms) >= 3
+    assert all(n <= 0.01 * (1 + 1e-4) for n in norms), norms
+    assert max(norms) == pytest.approx(0.01, rel=1e-3), norms  # the raw norms were above it: clipped to it
