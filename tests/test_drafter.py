@@ -251,3 +251,44 @@ def test_loss_decay_weights_each_steps_gradient():
     g1 = (grads[1.0] - grads[0.5]) / 0.5
     assert g1.abs().max() > 1e-4  # step 1 has a gradient of its own
     torch.testing.assert_close(grads[0.5] - grads[0.25], 0.25 * g1, rtol=1e-3, atol=1e-6)
+
+
+def test_rope_rotates_as_transformers_llama_does():
+    """apply_rope against transformers' own Llama rotary embedding (an implementation we did not write): the same
+    angles, the same rotate-half pairing and direction, at positions that differ per row."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from core.drafter import apply_rope
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 7, 16, generator=g)
+    positions = torch.stack([torch.arange(7), torch.arange(7) + 13])
+    rot = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, rope_theta=5000.0))
+    cos, sin = rot(q, positions)
+    want, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    torch.testing.assert_close(apply_rope(q, positions, 5000.0), want, rtol=1e-5, atol=1e-5)
+
+
+def test_each_norm_takes_its_own_input_in_both_qkv_paths():
+    """The attention input is [input_layernorm(embed(token)), hidden_norm(hidden)], each RMSNorm with its own weight,
+    computed here by hand; the decode path (tokens) and TTT's (token_qkv, the token half computed once) agree."""
+    from core.drafter import apply_rope
+
+    d = make_drafter()
+    layer = d.midlayer
+    with torch.no_grad():
+        layer.input_layernorm.weight.copy_(torch.rand(H) + 0.5)
+        layer.hidden_norm.weight.copy_(torch.rand(H) * 3 + 2)
+    g = torch.Generator().manual_seed(5)
+    hidden, ids = torch.randn(B, T, H, generator=g), torch.randint(0, VD, (B, T), generator=g)
+    pos = torch.arange(T)[None].expand(B, T)
+
+    def rms(x, w):
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + d.config.rms_norm_eps) * w
+
+    x = torch.cat([rms(d.embed_tokens(ids), layer.input_layernorm.weight), rms(hidden, layer.hidden_norm.weight)], -1)
+    want = apply_rope(layer.self_attn.q_proj(x).view(B, T, 4, 8).transpose(1, 2), pos, d.config.rope_theta)
+    with torch.no_grad():
+        for q in (d.qkv(hidden, ids, pos)[0], d.qkv(hidden, None, pos, token_qkv=d.token_qkv(ids))[0]):
+            torch.testing.assert_close(q, want.detach(), rtol=1e-4, atol=1e-5)
