@@ -254,6 +254,11 @@ def test_step_options_name_the_setting_that_cannot_run():
                                                 "checkpoint": False, "prune_rows": True}
     assert step_options(TrainConfig(), torch.device("cuda"))["prune_rows"] is False  # static shapes for the graphs
     assert step_options(TrainConfig(), torch.device("cuda"))["compile"] == "unroll"
+    # flex's CUDA kernels need head dims >= 16: auto falls back to dense below, an explicit flex is refused
+    assert step_options(TrainConfig(), torch.device("cuda"), head_dim=8)["attention"] == "dense"
+    assert step_options(TrainConfig(), torch.device("cuda"), head_dim=16)["attention"] == "flex"
+    with pytest.raises(UserError, match="flex: its CUDA kernels need a head dim of at least 16, this drafter's is 8"):
+        step_options(TrainConfig(attention="flex"), torch.device("cuda"), head_dim=8)
     assert step_options(TrainConfig(compile="yes"), torch.device("cuda"))["compile"] is True
     with pytest.raises(UserError, match="train.attention = flash takes one document per row"):
         step_options(TrainConfig(attention="flash", pack_length=4096), cpu)

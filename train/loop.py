@@ -122,11 +122,20 @@ def accelerate_launch_processes() -> int:
     return 1
 
 
-def step_options(tc, device: torch.device) -> dict:
+# flex attention's CUDA kernels take head dims of at least this (torch 2.11's inductor lowering)
+FLEX_MIN_HEAD_DIM = 16
+
+
+def step_options(tc, device: torch.device, head_dim: int = FLEX_MIN_HEAD_DIM) -> dict:
     """train.attention / compile / loss_chunk / activation_checkpointing -> TTTObjective's options (train.pack_length
-    is train/fit.py's: it packs the batch, and TTTObjective reads the packed rows' doc_ids and positions)."""
+    is train/fit.py's: it packs the batch, and TTTObjective reads the packed rows' doc_ids and positions).
+    head_dim: the drafter's; auto on CUDA is flex where its kernels take it, dense below."""
     cuda = device.type == "cuda"
-    attention = ("flex" if cuda else "dense") if tc.attention == "auto" else tc.attention
+    flex_fits = head_dim >= FLEX_MIN_HEAD_DIM
+    attention = ("flex" if cuda and flex_fits else "dense") if tc.attention == "auto" else tc.attention
+    if attention == "flex" and not flex_fits:
+        raise UserError(f"train.attention = flex: its CUDA kernels need a head dim of at least {FLEX_MIN_HEAD_DIM}, "
+                        f"this drafter's is {head_dim}: use train.attention=dense (or auto)")
     if attention == "flex" and not cuda:
         raise UserError("train.attention = flex needs a CUDA device (flex attention has no backward on CPU): "
                         "use train.attention=dense")
@@ -235,7 +244,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     ds = source.dataset(target, matmul_dtype, tc.loss_on_prompt)
     draft_head = target.lm_head[draft_ids].to(accelerator.device, matmul_dtype)  # [Vd,H]: the teacher's rows
     t2d_dev = t2d.to(accelerator.device)
-    options = step_options(tc, accelerator.device)
+    options = step_options(tc, accelerator.device, drafter.config.head_dim)
     if options["attention"] in KERNELS:  # its gradients against the dense path's, on this device
         check_flash(accelerator.device, options["attention"])
     objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, **options)
