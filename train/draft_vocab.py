@@ -21,12 +21,16 @@ def token_counts(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_siz
     return counts
 
 
+def check_draft_vocab_size(draft_vocab_size: int, vocab_size: int) -> None:
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise UserError(f"train.draft_vocab_size = {draft_vocab_size}: must be in [1, {vocab_size}] (the target's vocab)")
+
+
 def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """-> (draft_ids ascending [Vd], t2d bool [V], coverage of masked tokens). Ties and unseen fill
     by lowest id, so the choice is deterministic."""
     vocab_size = counts.numel()
-    if not 0 < draft_vocab_size <= vocab_size:
-        raise UserError(f"train.draft_vocab_size = {draft_vocab_size}: must be in [1, {vocab_size}]")
+    check_draft_vocab_size(draft_vocab_size, vocab_size)
     # stable sort on -count keeps lower ids first among equal counts
     order = torch.sort(-counts, stable=True).indices
     draft_ids = torch.sort(order[:draft_vocab_size]).values

@@ -32,7 +32,14 @@ from core.stage_lock import stage_lock
 from core.target import TargetHead, load_target_embeddings, read_target_config, resolve_precision, target_info
 from train.checkpoint import load_checkpoint, read_latest, trim_logs
 from train.data import ShardSource, aux_rms
-from train.draft_vocab import COUNTS_FILE, build_draft_vocab, counts_record, d2t_offsets, token_counts
+from train.draft_vocab import (
+    COUNTS_FILE,
+    build_draft_vocab,
+    check_draft_vocab_size,
+    counts_record,
+    d2t_offsets,
+    token_counts,
+)
 from train.fit import Fit, fit
 from train.flash_check import check_flash
 from train.master_weights import MasterWeightAdamW, weights_to_bf16
@@ -216,6 +223,7 @@ def main(cfg: RunConfig, fresh: bool = False) -> Path:
 def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool) -> Path:
     tc = cfg.train
     out, precision = cfg.run_path / "drafter", accelerator.mixed_precision
+    check_draft_vocab_size(tc.draft_vocab_size, target_info(cfg).vocab_size)  # before any manifest is written
     if tc.bf16_weights and precision != "bf16":
         raise UserError(f"train.bf16_weights = true needs bf16 training: train.mixed_precision resolved to "
                         f"{precision!r} here; set train.mixed_precision=bf16 or train.bf16_weights=false")
