@@ -11,6 +11,7 @@ import argparse
 import errno
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -144,7 +145,28 @@ def run_main(prog: str, main, cfg, *a, **kw) -> int:
         where = f"{e.filename}: " if e.filename else ""
         _error_line(f"{prog}: error: {where}{_OS_HINTS[e.errno]} ({e.strerror})")
         return 1
+    except Exception as e:  # a full disk in a writer's own words (safetensors' Rust, torch.save): told by the disk
+        free = _free_bytes(cfg.run_path)
+        if free is None or free > FULL_DISK_BYTES:
+            raise
+        _error_line(f"{prog}: error: {cfg.run_path}: {_OS_HINTS[errno.ENOSPC]} ({free:,} bytes free there when "
+                    f"{type(e).__name__}: {str(e)[:160]})")
+        return 1
     return 0
+
+
+FULL_DISK_BYTES = 1 << 20  # an error while this little is free on the run dir's disk is that disk being full
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system holding `path` (its nearest existing parent); None if unreadable."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def _error_line(text: str) -> None:

@@ -17,9 +17,10 @@ groups), P1-P3 data_gen's pool of requests across parts (full `hf` calls), P4-P5
 sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights),
 E1-E2 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter), R1-R3 the eager TTT
 steps pruned to the rows a later step counts (TTTObjective's prune_rows), KM1-KM6 issue 48's Kimi-K2.5 failures
-put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V9 issue 50's unfinished upstream,
+put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V10 issue 50's unfinished upstream,
 conversations part checksums, logs of a run killed before its first checkpoint and eval on training prompts, the lossless check, loss decay
-and gradient clipping in the gradient, RoPE's direction and the norms' placement.
+and gradient clipping in the gradient, RoPE's direction, the norms' placement and a full disk
+in safetensors' words.
 """
 
 from __future__ import annotations
@@ -333,6 +334,9 @@ MUTANTS = [
            "x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], -1)",
            "x = torch.cat([layer.hidden_norm(self.embed_tokens(tokens)), layer.input_layernorm(hidden)], -1)",
            ("tests/test_drafter.py::test_each_norm_takes_its_own_input_in_both_qkv_paths",)),
+    Mutant("V10", "a full disk reported in a writer's own words (safetensors) stays a traceback", "core/cli.py",
+           "        if free is None or free > FULL_DISK_BYTES:", "        if True:",
+           ("tests/test_run_integrity.py::test_a_disk_that_fills_while_training_writes_is_one_line",)),
 ]
 
 

@@ -391,3 +391,21 @@ def test_a_train_run_refused_for_a_bad_value_leaves_nothing_that_blocks_the_corr
     assert not (run_dir / "train/manifest.json").exists()
     run_stage("train", *flags, "train.epochs=1")
     assert (run_dir / "drafter/model.safetensors").is_file()
+
+
+def test_a_disk_that_fills_while_training_writes_is_one_line(run, tmp_path):
+    """The disk fills when train writes its checkpoint (safetensors' and torch.save's own errors, not an OSError):
+    one line naming the run dir and the bytes free, exit 1, and the shards it read are untouched."""
+    run_dir, flags = run
+    size = sum(f.stat().st_size for d in ("conversations", "hidden") for f in (run_dir / d).rglob("*") if f.is_file())
+    py, log, out = sys.executable, tmp_path / "stderr", tmp_path / "copy"
+    args = " ".join(f for f in flags[4:] if f.startswith("train.") is False)
+    _in_tmpfs(f"cp -r {run_dir}/conversations {run_dir}/hidden /mnt/ && mkdir -p /mnt/run && mv /mnt/conversations "
+              f"/mnt/hidden /mnt/run/ && {py} -m train --config configs/tiny-random-llama.yaml --run-dir /mnt/run "
+              f"{args} train.epochs=1 2>{log} || echo rc=$? >>{log}; cp -r /mnt/run {out}",
+              f"{size // 1024 + 400}k")
+    stderr = log.read_text()
+    assert "rc=1" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    line = next(x for x in reversed(stderr.splitlines()) if x.startswith("train: error:"))
+    assert "/mnt/run: the disk is full" in line and "bytes free there" in line, line
+    assert files_of(out / "hidden") == files_of(run_dir / "hidden")
