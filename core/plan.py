@@ -85,12 +85,6 @@ def target_params(tc: dict) -> int:
             + embed + h)
 
 
-def target_weight_bytes(cfg: RunConfig) -> int:
-    """Bytes of the language model's weights in target.dtype: what one process holds to run the target
-    in-process (data_gen/extract/eval's hf engines, train.source=online)."""
-    return target_params(read_target_config(resolve_target(cfg))) * _DTYPE_BYTES[cfg.target.dtype]
-
-
 def device_memory(device) -> int:
     """Bytes one process can hold on `device`: the GPU's memory, or the machine's RAM for a CPU."""
     import os
@@ -106,9 +100,9 @@ def check_target_fits(cfg: RunConfig, device) -> None:
     """One line before loading when the target's weights alone exceed what one process has on `device`
     (a 1T-parameter Kimi-K2.5 in train.source=online or an in-process engine), instead of minutes of loading
     and an out-of-memory traceback."""
-    need, have = target_weight_bytes(cfg), device_memory(device)
+    params = target_params(read_target_config(resolve_target(cfg)))
+    need, have = params * _DTYPE_BYTES[cfg.target.dtype], device_memory(device)
     if need > have:
-        params = target_params(read_target_config(resolve_target(cfg)))
         raise UserError(f"target.model = {cfg.target.model!r}: its weights need ~{_gib(need)} in {cfg.target.dtype} "
                         f"({params / 1e9:,.1f}B parameters, `make plan`), more than one process has on {device} "
                         f"({_gib(have)}): run the target as a server (data_gen.backend=openai, extract.engine=sglang, "

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-
-from core.atomic_io import atomic_write_json
 
 FILE = "trained_prompts.json"
 
@@ -30,8 +29,17 @@ def sample_prompt_digest(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> st
     return digest(input_ids[: int(trained[0]) if len(trained) else len(input_ids)])
 
 
-def write(out_dir: Path, digests: set[str]) -> None:
-    atomic_write_json(Path(out_dir) / FILE, {"digests": sorted(digests)})
+def collect(pairs: Iterator[tuple[torch.Tensor, torch.Tensor]], into: set[str]):
+    """Pass (input_ids, loss_mask) pairs through, adding each sample's prompt digest to `into`: the digests come
+    from the pass that reads the samples anyway (train's token counts), not from another one."""
+    for input_ids, loss_mask in pairs:
+        into.add(sample_prompt_digest(input_ids, loss_mask))
+        yield input_ids, loss_mask
+
+
+def record(digests: set[str]) -> dict:
+    """What FILE holds."""
+    return {"digests": sorted(digests)}
 
 
 def trained_on(draft_dir: Path, items: list[tuple[str, list[int]]]) -> list[str] | None:

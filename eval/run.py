@@ -135,11 +135,11 @@ def main(cfg: RunConfig, prompts: str | None = None, draft: str | None = None, o
                          "servers greedily with a chain of eval.draft_steps")
     if ev.draft_tree and ev.temperature:
         raise UserError("eval.draft_tree is greedy only: set eval.temperature=0 or eval.draft_tree=[]")
-    if ev.engine == "server" and ev.server_pass == "both" and not (ev.base_url and ev.spec_url):
-        raise UserError("eval.engine=server needs both --base URL and --spec URL (eval.base_url, eval.spec_url), or "
-                        "one of them with --pass base / --pass spec (one server at a time)")
-    pass_url = {"both": "-", "base": ev.base_url, "spec": ev.spec_url}[ev.server_pass]
-    if not (pass_url and (ev.server_pass == "both" or ev.engine == "server")):
+    if ev.server_pass == "both":
+        if ev.engine == "server" and not (ev.base_url and ev.spec_url):
+            raise UserError("eval.engine=server needs both --base URL and --spec URL (eval.base_url, eval.spec_url), "
+                            "or one of them with --pass base / --pass spec (one server at a time)")
+    elif ev.engine != "server" or not (ev.base_url if ev.server_pass == "base" else ev.spec_url):
         raise UserError(f"eval.server_pass = {ev.server_pass}: a pass against one running server (engine server): "
                         f"give --{ev.server_pass} URL")
     draft_dir = Path(draft) if draft else cfg.run_path / "drafter"

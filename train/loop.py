@@ -192,15 +192,15 @@ def open_run(cfg: RunConfig, accelerator: Accelerator, source, fresh: bool):
 
 
 def export(cfg: RunConfig, drafter: Eagle3Drafter, source, step: int, coverage: float, settings: dict,
-           runtime: dict, vocab_counts: dict, epoch: int | None = None) -> None:
-    """The SGLang-format drafter with its draft tokens' counts (for `python -m train.prune_vocab`) and its
-    manifest (its target, which eval checks); at the run's end (epoch None) into drafter/, with curves.png and
+           runtime: dict, records: dict[str, dict], epoch: int | None = None) -> None:
+    """The SGLang-format drafter with its records (the draft tokens' counts for `python -m train.prune_vocab`, the
+    trained prompts' digests for eval) and its manifest (its target, which eval checks); at the run's end (epoch None) into drafter/, with curves.png and
     train/'s manifest; after an epoch (train.epoch_drafters) into train/epochs/epoch-N."""
     train_dir = cfg.run_path / "train"
     out = cfg.run_path / "drafter" if epoch is None else train_dir / "epochs" / f"epoch-{epoch}"
     drafter.save_pretrained(out)
-    atomic_write_json(out / COUNTS_FILE, vocab_counts)
-    trained_prompts.write(out, {trained_prompts.sample_prompt_digest(ids, mask) for ids, mask in source.token_pairs()})
+    for name, record in records.items():  # the draft tokens' counts, the trained prompts' digests
+        atomic_write_json(out / name, record)
     rows = read_jsonl(train_dir / "metrics.jsonl")
     if epoch is None:
         plot_curves(rows, train_dir / "curves.png")
@@ -235,7 +235,8 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     accelerator.wait_for_everyone()
     set_seed(cfg.seed)
     target = load_target_embeddings(cfg)
-    counts = token_counts(source.token_pairs(), target.embed.shape[0])
+    prompts: set[str] = set()
+    counts = token_counts(trained_prompts.collect(source.token_pairs(), prompts), target.embed.shape[0])
     draft_ids, t2d, coverage = build_draft_vocab(counts, tc.draft_vocab_size)
     log.info("%d samples / %d tokens (train.source=%s); draft vocab %d covers %.2f%% of assistant tokens",
              len(source.ids), source.num_tokens(), tc.source, draft_ids.numel(), 100 * coverage)
@@ -281,11 +282,12 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
         accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg), init_kwargs={
             "wandb": {"dir": str(train_dir), "name": cfg.name, "mode": tc.wandb_mode}})
     probe = TauProbe(cfg, source.model if tc.source == "online" and tc.tau_every else None)  # one target copy
-    vocab_counts = counts_record(draft_ids, counts[draft_ids], "assistant tokens of the training samples")
+    records = {COUNTS_FILE: counts_record(draft_ids, counts[draft_ids], "assistant tokens of the training samples"),
+               trained_prompts.FILE: trained_prompts.record(prompts)}
 
     def export_at(step: int, epoch: int | None = None) -> None:
         export(cfg, accelerator.unwrap_model(objective).drafter, source, step, coverage, settings, runtime,
-               vocab_counts, epoch)
+               records, epoch)
 
     f = Fit(cfg, accelerator, objective, opt, source, ds, probe, (draft_head, t2d_dev, raw_rms), train_dir,
             step_batches, accum, export_at)
