@@ -1,44 +1,39 @@
 #!/usr/bin/env python3
 """The EAGLE-3 training step at the 8B drafter's shape, beside SpecForge's, in one command (GPU).
 
-    python bench/bench_train_step.py --seqlens 2048,4096,8192,16384 \
-        --specforge-wheel .carry/specforge-0.2.0-py3-none-any.whl --specforge-harness .carry/specforge_step.py
+    python bench/bench_train_step.py --with-optimizer --seqlens 2048,4096,8192,16384 \
+        --specforge-wheel specforge-0.2.0-py3-none-any.whl --specforge-harness specforge_step.py
     python bench/bench_train_step.py --smoke          # CPU check of this script (tiny shapes)
 
-One step = what train/loop.py does per micro-batch, minus the optimizer (SpecForge's harness leaves it
-out too): teacher_targets (draft-vocab softmax from the target's final hidden states) + the TTTObjective
-forward (K=7 TTT unroll) + accelerator.backward, under Accelerate bf16 autocast with fp32 master weights,
-the objective built with train.loop.step_options and the frozen embedding in bf16, as a real run does. Shape: H=4096, I=14336, 32/8
-heads, head_dim 128, vocab 128256, draft vocab 32000, batch 1, every position in the loss mask.
+The step runs with the train.kernels of --config (default configs/llama-3.1-8b-instruct.yaml, the shipped 8B
+recipe), resolved by train.loop.step_options on this device as a run resolves them: variant `config` is what a
+user of that config gets; the other variants change one kernel choice. One step = what train/loop.py does per
+micro-batch: teacher_targets (draft-vocab softmax from the target's final hidden states) + the TTTObjective
+forward (K=7 TTT unroll) + accelerator.backward, under Accelerate bf16 autocast, the frozen embedding in bf16;
+--with-optimizer adds train/fit.py's gradient clip at 0.5 and AdamW step (SpecForge's side then runs
+bench/specforge_full_step.py: its BF16Optimizer with fp32 masters), and peak memory counts the optimizer
+state each side holds. Shape: H=4096, I=14336, 32/8 heads, head_dim 128, vocab 128256, draft vocab 32000,
+batch 1, every position in the loss mask.
 
-FLOPs per token (model FLOPs, the count of ../shared/bench/specforge_step.md, so MFU compares 1:1):
+FLOPs per token (model FLOPs, the count SpecForge's harness uses, so MFU compares 1:1):
 fc 2*3H*H, x2 (forward + weight grad); per TTT step, x3 (forward + input grad + weight grad): qkv
 2*2H*(nh+2*nkv)*d, o_proj 2*nh*d*H, mlp 2*3*H*I, lm_head 2*H*Vd, attention 4*nh*d*((T+1)/2 + k).
 Not counted: norms, RoPE, SiLU, softmaxes, the teacher's draft-vocab matmul (2*H*Vd per token; SpecForge
 is handed target logits instead). MFU against --peak-tflops (784: bf16 matmul measured on an H200).
 
---parity first checks, on the GPU in fp32, that the fast path (flex attention, compiled step, fused
-head loss) gives the plain reference path's loss, per-step sums and every gradient, also with its two
-samples packed as one row of two documents (`fast_packed`, train.pack_length). CPU tests cannot: flex
-attention has no CPU backward. The flash path (FlashAttention-2 + log-sum-exp merge) has no fp32 kernel on
-CUDA, so a second record compares it and flex with the dense path, all three under bf16 autocast
-(its math is held to the dense path at 1e-5 in fp32 by tests/test_ttt_fast_paths.py, on PyTorch's CPU
-flash kernel), and a third the attention alone in bf16 against an fp32 dense reference. SpecForge's harness
-(if given) runs one subprocess per length, just before ours at that length, so a run cut short leaves whole
-pairs. Each length, ours and SpecForge's, starts from a fresh torch.compile cache, so its graphs are
-static-shape, as a run of packed rows of one length is (SpecForge's harness alone reuses its first length's
-graphs as dynamic-shape ones: 19.9k tok/s at 2048 after 8192 vs 22.4k when 2048 comes first).
-
---with-optimizer times the whole training step on both sides instead: ours adds train/loop.py's AdamW
-after Accelerate's gradient-norm clip at 0.5 (fit.py's order); SpecForge's (bench/specforge_full_step.py)
-adds its own BF16Optimizer (clip at 0.5, fp32 master copies, AdamW, copy back). Peak memory then counts the
-optimizer state each side really holds: our fp32 weights are the masters; SpecForge keeps masters beside its
-bf16 weights.
+--parity first checks on the GPU, in fp32, that flex attention (eager and unrolled, padded and packed rows)
+gives the dense reference path's loss, per-step sums and every gradient (CPU tests cannot: flex has no CPU
+backward); then, under bf16 autocast (cuDNN's attention has no fp32 kernel), flex and cudnn unrolled against
+dense; then the merged attention alone in bf16 against fp32 dense. SpecForge's harness (if given) runs one
+subprocess per length, just before ours at that length, so a run cut short leaves whole pairs. Each length
+starts from a fresh torch.compile cache, so its graphs are static-shape, as a run of packed rows of one
+length is.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import json
@@ -53,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.config import TrainConfig  # noqa: E402
+from core.config import TrainConfig, TrainKernels, load_config  # noqa: E402
 from core.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from train.loop import frozen_to_matmul_dtype, make_optimizer, step_options  # noqa: E402
 from train.master_weights import weights_to_bf16  # noqa: E402
@@ -61,7 +56,6 @@ from train.packing import pack  # noqa: E402
 from train.ttt_loss import TTTObjective, teacher_targets  # noqa: E402
 
 SHAPE = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, draft_vocab=32000)
-DOC_VARIANTS = ("fast_docs",)  # rows of packed documents instead of one document per row
 SMOKE = dict(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, draft_vocab=128)
 
 
@@ -118,27 +112,29 @@ def documents(t: int, b: int, device) -> tuple[dict, float]:
     return {"doc_ids": doc_ids.expand(b, t).to(device), "positions": positions.expand(b, t).to(device)}, span
 
 
-def objective_for(d: Eagle3Drafter, device, k_steps: int, overrides: dict) -> TTTObjective:
-    return TTTObjective(d, k_steps, 0.8, **step_options(TrainConfig(**overrides), device))
+def objective_for(d: Eagle3Drafter, device, k_steps: int, kernels: TrainKernels) -> TTTObjective:
+    return TTTObjective(d, k_steps, 0.8, step_options(kernels, device, d.config.head_dim))
 
 
-def bench(args, s: dict, t: int, variant: str, overrides: dict, device) -> dict:
+def bench(args, s: dict, t: int, variant: str, kernels: TrainKernels, device) -> dict:
     from accelerate import Accelerator
 
-    rec = {"impl": "eagle3", "variant": variant, "seq_len": t, "batch": args.batch, "ttt": args.ttt}
+    rec = {"impl": "eagle3", "variant": variant, "kernels": dataclasses.asdict(kernels), "seq_len": t,
+           "batch": args.batch, "ttt": args.ttt}
     torch._dynamo.reset()  # static-shape graphs for this length
     d = build(s, device)
     frozen_to_matmul_dtype(d, "bf16" if device.type == "cuda" else "no")
-    if overrides.get("bf16_weights"):  # as train/loop.py does under train.bf16_weights
+    if kernels.bf16_weights:  # as train/loop.py does under train.kernels.bf16_weights
         weights_to_bf16(d)
     accelerator = Accelerator(mixed_precision="bf16" if device.type == "cuda" else "no", cpu=device.type != "cuda")
-    objective = accelerator.prepare(objective_for(d, device, args.ttt, overrides))
+    objective = accelerator.prepare(objective_for(d, device, args.ttt, kernels))
+    rec["attention"], rec["unroll"] = objective.options.attention, objective.options.unroll
     draft_head = (torch.randn(s["draft_vocab"], s["hidden"], device=device) * s["hidden"] ** -0.5).to(
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     x = batch(s, args.batch, t, d, device)
-    docs, span = documents(t, args.batch, device) if variant in DOC_VARIANTS else ({}, None)
+    docs, span = documents(t, args.batch, device) if kernels.pack_length else ({}, None)
     params = [p for p in objective.parameters() if p.requires_grad]
-    tc = TrainConfig(lr=1e-5, bf16_weights=bool(overrides.get("bf16_weights")))
+    tc = TrainConfig(lr=1e-5, kernels=kernels)
     opt = accelerator.prepare(make_optimizer(params, tc)) if args.with_optimizer else None
     rec["optimizer"] = type(opt.optimizer).__name__ if opt else None
 
@@ -199,35 +195,33 @@ def parity(args, device) -> dict:
             torch.nn.init.normal_(p, std=p.shape[1] ** -0.5)
     x = batch(s, 2, 300, d, device, mask_frac=0.6, seed=5)
     head = torch.randn(s["draft_vocab"], s["hidden"], device=device)
-    # the same two samples as one packed row of two documents (train.pack_length): must train the same
+    # the same two samples as one packed row of two documents (train.kernels.pack_length): must train the same
     p = pack({**x, "valid": torch.ones_like(x["loss_mask"])}, 640)
     padded = (x, teacher_targets(x["final"], x["loss_mask"], head, d.t2d, x["argmax"]), {})
     packed = (p, teacher_targets(p["final"], p["loss_mask"], head, d.t2d, p["argmax"], p["doc_ids"]),
               {"doc_ids": p["doc_ids"], "positions": p["positions"]})
-    fast = {"attention": "flex", "loss_chunk": 128, "compile": "yes"}
-    reference = {"attention": "dense", "loss_chunk": 0, "compile": "no"}
+    flex = TrainKernels(attention="flex", loss_chunk=128, compile="no")
+    unroll = dataclasses.replace(flex, compile="unroll")
+    reference = TrainKernels(attention="dense", loss_chunk=0, compile="no")
     recs = []
     if "fp32" in args.parity:
-        recs.append(compare(d, device, {"reference": (reference, padded), "fast": (fast, padded),
-                                        "fast_ckpt": ({**fast, "activation_checkpointing": True}, padded),
-                                        "fast_packed": (fast, packed), "fast_unroll": ({**fast, "compile": "unroll"}, padded),
-                                        "fast_unroll_packed": ({**fast, "compile": "unroll"}, packed)}, "parity"))
+        recs.append(compare(d, device, {"reference": (reference, padded), "flex": (flex, padded),
+                                        "flex_ckpt": (dataclasses.replace(flex, activation_checkpointing=True), padded),
+                                        "flex_packed": (flex, packed), "flex_unroll": (unroll, padded),
+                                        "flex_unroll_packed": (unroll, packed)}, "parity"))
     torch.backends.cuda.matmul.allow_tf32 = True
     if "bf16" in args.parity:
-        with torch.autocast("cuda", torch.bfloat16):  # FlashAttention-2 has no fp32 kernel: all three in bf16
-            recs.append(compare(d, device, {"reference": (reference, padded), "fast": (fast, padded),
-                                            "fast_flash": ({**fast, "attention": "flash"}, padded),
-                                            "fast_unroll_flash": ({**fast, "attention": "flash", "compile": "unroll"},
-                                                                  padded),
-                                            "fast_unroll_cudnn": ({**fast, "attention": "cudnn", "compile": "unroll"},
-                                                                  padded)}, "parity_bf16"))
+        with torch.autocast("cuda", torch.bfloat16):  # cuDNN's attention has no fp32 kernel: all three in bf16
+            recs.append(compare(d, device, {"reference": (reference, padded), "flex_unroll": (unroll, padded),
+                                            "cudnn_unroll": (dataclasses.replace(unroll, attention="cudnn"), padded)},
+                                "parity_bf16"))
     if "alone" in args.parity:
-        recs.append(flash_attention_alone(device))
+        recs.append(merged_attention_alone(device))
     return recs
 
 
-def flash_attention_alone(device, kernel: str = "flash") -> dict:
-    """The flash TTT attention by itself in bf16 (the 8B shape's 32/8 heads at T=1024, and the parity's shape: batch
+def merged_attention_alone(device) -> dict:
+    """The merged (cuDNN) TTT attention by itself in bf16 (the 8B shape's 32/8 heads at T=1024, and the parity's shape: batch
     2, 4/2 heads, T=300, d=64; steps 1-4) against the dense path in fp32 on the same bf16 inputs: relative error of
     the output and of each input's gradient, the worst per case. Inputs are transposed [B,T,n,d] views, as the
     step hands them (contiguous ones hid a 10-100% error that strided ones showed)."""
@@ -243,26 +237,25 @@ def flash_attention_alone(device, kernel: str = "flash") -> dict:
         weight = torch.randn(b, nh, t, d, device=device, generator=g)
         results = []
         for out in (dense_ttt_attention(qt.float(), [k.float() for k in kt], [v.float() for v in vt]),
-                    merged_ttt_attention(qt, kt, vt, kernel)):
+                    merged_ttt_attention(qt, kt, vt)):
             results.append((out.detach(), *torch.autograd.grad((out.float() * weight).sum(), [q, *keys, *values])))
         worst[f"B{b} {nh}/{nkv} heads T{t} d{d} steps {steps}"] = max(float((b.float() - a.float()).norm() / a.float().norm()) for a, b in zip(*results, strict=True))
-    return {"kind": "flash_attention_alone_bf16", "kernel": kernel, "rel_max": worst}
+    return {"kind": "merged_attention_alone_bf16", "rel_max": worst}
 
 
 def attention_alone(args, s: dict, device) -> list[dict]:
     """The K attention calls of one unroll by themselves (forward + backward, bf16, the 8B shape's heads, q/k/v
-    as the step's transposed views) per kernel: flex with the TTT block mask, the merged causal kernel with
-    FlashAttention-2 or cuDNN; and each merged kernel's accuracy against fp32 dense (flash_attention_alone)."""
+    as the step's transposed views) per kernel: flex with the TTT block mask, cuDNN's causal kernel merged with the
+    diagonal; and the merged one's accuracy against fp32 dense (merged_attention_alone)."""
     from train.ttt_attention import flex_ttt_attention, merged_ttt_attention, ttt_block_mask
 
     recs = []
-    for kernel in ("flash", "cudnn"):
-        try:
-            recs.append(flash_attention_alone(device, kernel))
-        except Exception as e:  # noqa: BLE001 -- a kernel this GPU or torch lacks must not cost the others' figures
-            recs.append({"kind": "flash_attention_alone_bf16", "kernel": kernel, "error": f"{type(e).__name__}: {e}"[:400]})
+    try:
+        recs.append(merged_attention_alone(device))
+    except Exception as e:  # noqa: BLE001 -- a kernel this GPU or torch lacks must not cost the others' figures
+        recs.append({"kind": "merged_attention_alone_bf16", "error": f"{type(e).__name__}: {e}"[:400]})
     nh, nkv, d = s["heads"], s["kv_heads"], s["head_dim"]
-    for t, kernel in itertools.product(args.seqlens, ("flex", "flash", "cudnn")):
+    for t, kernel in itertools.product(args.seqlens, ("flex", "cudnn")):
         torch._dynamo.reset()
         masks = [ttt_block_mask(t, k, device) for k in range(1, args.ttt + 1)] if kernel == "flex" else None
         q = torch.randn(1, t, nh, d, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -274,7 +267,7 @@ def attention_alone(args, s: dict, device) -> list[dict]:
                 keys = [x.transpose(1, 2) for x in kv[:k]]
                 values = [x.transpose(1, 2) for x in kv[args.ttt:args.ttt + k]]
                 out = (flex_ttt_attention(q.transpose(1, 2), keys, values, masks[k - 1]) if kernel == "flex"
-                       else merged_ttt_attention(q.transpose(1, 2), keys, values, kernel))
+                       else merged_ttt_attention(q.transpose(1, 2), keys, values))
                 out.backward(torch.ones_like(out))
             torch.cuda.synchronize()
 
@@ -296,7 +289,7 @@ def attention_alone(args, s: dict, device) -> list[dict]:
 
 
 def compare(d: Eagle3Drafter, device, paths: dict, kind: str) -> dict:
-    """paths: name -> (step options, (batch, teacher, packed-row args)); the first is the reference."""
+    """paths: name -> (train.kernels, (batch, teacher, packed-row args)); the first is the reference."""
     out = {}
     for name, (o, (y, teacher, docs)) in paths.items():
         d.zero_grad(set_to_none=True)
@@ -317,16 +310,32 @@ def compare(d: Eagle3Drafter, device, paths: dict, kind: str) -> dict:
     return rec
 
 
+def specforge(args, t: int, emit) -> None:
+    """SpecForge's step at length t in its own process (static-shape graphs, as ours get)."""
+    sf_out = Path(args.out or "/tmp/bench_train_step.jsonl").with_suffix(".specforge.jsonl")
+    sf_out.unlink(missing_ok=True)
+    cmd = ([str(Path(__file__).with_name("specforge_full_step.py")), "--harness", args.specforge_harness,
+            "--seq-len", str(t), "--warmup", str(args.warmup), "--iters", str(args.iters)]
+           if args.with_optimizer else
+           [args.specforge_harness, "--configs", f"flex_attention:{t}", "--measure-peak"])
+    subprocess.run([sys.executable, *cmd, "--wheel", args.specforge_wheel, "--out", str(sf_out)], check=False)
+    for line in sf_out.read_text().splitlines() if sf_out.exists() else []:
+        emit({"impl": "specforge", **json.loads(line)})
+    if not sf_out.exists():
+        emit({"impl": "specforge", "seq_len": t, "error": "no record (see its output above)"})
+
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", default="2048,4096,8192,16384")
-    ap.add_argument("--variants", default="fast,fast_ckpt",
-                    help="fast (flex + compile + fused loss: the GPU defaults) | fast_ckpt (+ activation "
-                         "checkpointing) | fast_flash (FlashAttention-2 + log-sum-exp merge) | fast_unroll (the K steps as one "
-                         "compiled graph) | fast_unroll_flash (both) | fast_unroll_cudnn (unroll, cuDNN's causal kernel + merge) | "
-                         "fast_unroll_bf16w (unroll, bf16 weights: "
-                         "train.bf16_weights) | fast_docs (fast on rows of packed documents, train.pack_length; MFU counts "
-                         "the attention they need) | eager (flex + fused loss, no compile) | dense (the CPU path)")
+    ap.add_argument("--config", default="configs/llama-3.1-8b-instruct.yaml",
+                    help="the run config whose train.kernels the variants start from (as train resolves them here)")
+    ap.add_argument("--variants", default="config",
+                    help="comma list: config (its train.kernels as they are) | flex (attention flex) | ckpt (+ "
+                         "activation checkpointing) | fp32_weights (bf16_weights off) | docs (rows of packed "
+                         "documents, pack_length = the length; MFU counts the attention they need) | eager (compile "
+                         "no) | dense (dense attention, eager: the CPU path)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=3)
@@ -351,17 +360,18 @@ def main() -> None:
     s = SMOKE if args.smoke else SHAPE
     seqlens = [int(x) for x in args.seqlens.split(",")]
     args.profile = [int(x) for x in args.profile.split(",") if x]
-    variants = {"fast": {}, "fast_ckpt": {"activation_checkpointing": True}, "fast_docs": {},
-                "fast_flash": {"attention": "flash"}, "fast_unroll": {"compile": "unroll"},
-                "fast_unroll_flash": {"compile": "unroll", "attention": "flash"},
-                "fast_unroll_bf16w": {"compile": "unroll", "bf16_weights": True},
-                "fast_unroll_flash_bf16w": {"compile": "unroll", "attention": "flash", "bf16_weights": True},
-                "fast_unroll_cudnn": {"compile": "unroll", "attention": "cudnn"},
-                "fast_unroll_cudnn_bf16w": {"compile": "unroll", "attention": "cudnn", "bf16_weights": True},
-                "eager": {"compile": "no"}, "dense": {"attention": "dense", "compile": "no"}}
+    kernels = load_config(args.config).train.kernels
+    variants = {"config": {}, "flex": {"attention": "flex"}, "ckpt": {"activation_checkpointing": True},
+                "fp32_weights": {"bf16_weights": False}, "eager": {"compile": "no"},
+                "dense": {"attention": "dense", "compile": "no"}}
     if args.smoke:
-        seqlens, args.warmup, args.iters = [64], 1, 2
-        variants = {"dense": {"attention": "dense", "compile": "no"}}
+        seqlens, args.warmup, args.iters, variants = [64], 1, 2, {"dense": variants["dense"]}
+
+    def kernels_for(name: str, t: int) -> TrainKernels:
+        if name == "docs":  # packed rows take flex (cuDNN's kernel takes one document per row)
+            return dataclasses.replace(kernels, pack_length=t, attention="flex")
+        return dataclasses.replace(kernels, **variants[name])
+
     records = []
 
     def emit(rec):
@@ -370,19 +380,6 @@ def main() -> None:
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-
-    def specforge(t: int) -> None:  # its own process per length: static-shape graphs, as ours get
-        sf_out = Path(args.out or "/tmp/bench_train_step.jsonl").with_suffix(".specforge.jsonl")
-        sf_out.unlink(missing_ok=True)
-        cmd = ([str(Path(__file__).with_name("specforge_full_step.py")), "--harness", args.specforge_harness,
-                "--seq-len", str(t), "--warmup", str(args.warmup), "--iters", str(args.iters)]
-               if args.with_optimizer else
-               [args.specforge_harness, "--configs", f"flex_attention:{t}", "--measure-peak"])
-        subprocess.run([sys.executable, *cmd, "--wheel", args.specforge_wheel, "--out", str(sf_out)], check=False)
-        for line in sf_out.read_text().splitlines() if sf_out.exists() else []:
-            emit({"impl": "specforge", **json.loads(line)})
-        if not sf_out.exists():
-            emit({"impl": "specforge", "seq_len": t, "error": "no record (see its output above)"})
 
     args.seqlens = seqlens
     if args.attention_only:
@@ -394,16 +391,16 @@ def main() -> None:
             emit(rec)
     for t in seqlens:  # length by length, SpecForge then ours: a run cut short still leaves whole pairs
         if args.specforge_wheel:
-            specforge(t)
+            specforge(args, t, emit)
         for name in args.variants.split(",") if not args.smoke else variants:
-            emit(bench_or_error(args, s, t, name, variants[name], device))
+            emit(bench_or_error(args, s, t, name, kernels_for(name, t), device))
     print_table(records)
 
 
-def bench_or_error(args, s: dict, t: int, name: str, overrides: dict, device) -> dict:
+def bench_or_error(args, s: dict, t: int, name: str, kernels: TrainKernels, device) -> dict:
     """One variant's record, or its error: one variant's failure (OOM, a compile error) must not cost the others'."""
     try:
-        return bench(args, s, t, name, overrides, device)
+        return bench(args, s, t, name, kernels, device)
     except torch.OutOfMemoryError as e:
         return {"impl": "eagle3", "variant": name, "seq_len": t, "error": "OOM", "detail": str(e)[:200]}
     except Exception as e:  # noqa: BLE001 -- see the docstring

@@ -148,7 +148,7 @@ def bench_extract(model, peak, batch=4, seq=512):
 
 
 def bench_train(cfg, model, peak, batch=4, seq=512, steps=5, vd=8192):
-    from train.ttt_loss import TTTObjective, teacher_argmax, teacher_targets
+    from train.ttt_loss import StepOptions, TTTObjective, teacher_argmax, teacher_targets
 
     device, h = model.device, model.config.hidden_size
     d, target, draft_ids, t2d = target_shaped_drafter(cfg, model, vd)
@@ -169,7 +169,7 @@ def bench_train(cfg, model, peak, batch=4, seq=512, steps=5, vd=8192):
     # the demo's rows: about half prompt (no loss), where eager steps >= 1 skip the rows no later step counts
     mask[:, : seq // 2] = 0
     plain = timed(step, device)
-    pruned = timed(lambda: step(TTTObjective(d, steps, 0.8, prune_rows=True)), device)
+    pruned = timed(lambda: step(TTTObjective(d, steps, 0.8, StepOptions(prune_rows=True))), device)
     print(f"train: half-prompt rows, steps >= 1 on the counted rows only (prune_rows, the eager default): "
           f"{plain * 1e3:.0f} -> {pruned * 1e3:.0f} ms = {plain / pruned:.2f}x")
     mm = sum(p.numel() for n_, p in d.named_parameters() if p.dim() == 2 and "embed" not in n_)

@@ -113,6 +113,33 @@ class ExtractConfig:
 
 
 @dataclass
+class TrainKernels:
+    """How train computes the TTT step, not what it learns: every choice trains the same drafter (the tests hold
+    each fast path to the dense reference); a run may resume under other values."""
+    attention: str = _f("auto", "auto | dense | flex | cudnn: TTT attention. dense = [T,T] scores (the reference; "
+                                "CPU); flex = flex attention, never a [T,T] matrix (CUDA, any pack_length); cudnn = "
+                                "cuDNN's causal kernel plus the diagonal terms merged by log-sum-exp (CUDA, one "
+                                "document per row; checked against dense on the device before training; on a CPU "
+                                "the same merge over PyTorch's CPU flash kernel); auto = cudnn on CUDA for "
+                                "right-padded rows, flex for packed rows, dense on CPU",
+                        choices=("auto", "dense", "flex", "cudnn"))
+    compile: str = _f("auto", "auto | no | unroll: unroll = torch.compile all K TTT steps as one graph (norms, "
+                              "RoPE, SiLU fused; weights cast once, their K gradients summed inside it); "
+                              "auto = unroll on CUDA, no on CPU", choices=("auto", "no", "unroll"))
+    pack_length: int = _f(0, "> 0: pack each micro-batch's samples into rows of exactly this many tokens, several "
+                             "documents per row, kept apart by a document mask (static shapes for compiled steps, "
+                             "little padding; trains what the padded batch trains); >= train.max_len; 0 = "
+                             "right-padded batches", ge=0)
+    loss_chunk: int = _f(8192, "rows per chunk of the fused draft-head loss, which never holds all [T, Vd] logits; "
+                               "0 = plain autograd (the reference path)", ge=0)
+    activation_checkpointing: bool = _f(False, "recompute each TTT step's layer in the backward: less memory, "
+                                               "about a third more layer compute")
+    bf16_weights: bool = _f(False, "trainable weights and their gradients in bf16, fp32 masters in the optimizer "
+                                   "(train/master_weights.py): a lower step peak, the same total with AdamW; needs "
+                                   "train.mixed_precision bf16, not with DeepSpeed")
+
+
+@dataclass
 class TrainConfig:
     ttt_steps: int = _f(7, "training-time-test unroll K", ge=1)
     loss_decay: float = _f(0.8, "weight of step k is decay**k", gt=0, le=1)
@@ -152,36 +179,16 @@ class TrainConfig:
     mixed_precision: str = _f("auto", "auto | no | bf16; auto = bf16 on GPUs and on CPUs with native bf16 "
                                       "(AVX512-BF16/AMX), fp32 elsewhere (emulated bf16 is far slower there)",
                               choices=('auto', 'no', 'bf16'))
-    attention: str = _f("auto", "auto | dense | flex | flash | cudnn: TTT attention; flex (CUDA) never builds a [T,T] "
-                                "matrix; flash = a causal FlashAttention kernel plus the diagonal terms merged by "
-                                "log-sum-exp, cudnn = the same with cuDNN's fused attention (CUDA; the faster one on "
-                                "Hopper) (both checked against dense on the device before training: train/flash_check.py; "
-                                "not with pack_length); auto = flex on CUDA, dense elsewhere",
-                        choices=('auto', 'dense', 'flex', 'flash', 'cudnn'))
-    pack_length: int = _f(0, "> 0: pack each micro-batch's samples into rows of exactly this many tokens, several "
-                             "documents per row, kept apart by a document mask (static shapes, little padding; trains "
-                             "what the padded batch trains); must be >= train.max_len; 0 = right-padded batches", ge=0)
-    loss_chunk: int = _f(8192, "rows per chunk of the fused draft-head loss, which never holds all [T, Vd] logits; "
-                               "0 = plain autograd (the reference path)", ge=0)
-    compile: str = _f("auto", "auto | yes | no | unroll: torch.compile the TTT step's layer (fuses norms, RoPE, "
-                              "SiLU), one graph per step; unroll = all K steps as one graph (weights cast once, "
-                              "their K gradients summed inside it: faster than yes on a GPU, with less "
-                              "memory); auto = unroll on CUDA, no on CPU",
-                      choices=('auto', 'yes', 'no', 'unroll'))
     tau_every: int = _f(0, "optimizer steps between τ measurements (eval's hf engine on the drafter as exported, "
                            "greedy chain of K = eval.draft_steps, on eval's prompts), also at the last step; "
                            "logged with loss_k / acc_k; 0 = off", ge=0)
     tau_prompts: int = _f(4, "prompts per τ measurement (the first of eval's prompts)", ge=1)
     tau_new_tokens: int = _f(48, "tokens generated per prompt in a τ measurement", ge=1)
-    activation_checkpointing: bool = _f(False, "recompute each TTT step's layer in the backward: less memory, "
-                                               "about a third more layer compute")
-    bf16_weights: bool = _f(False, "trainable weights and their gradients in bf16, fp32 masters in the optimizer "
-                                   "(train/master_weights.py, SpecForge's layout): a lower step peak, the same "
-                                   "total with AdamW; needs mixed_precision bf16, not with DeepSpeed")
+    kernels: TrainKernels = field(default_factory=TrainKernels)
 
     def __post_init__(self):
-        if 0 < self.pack_length < self.max_len:  # a sample of max_len tokens must fit a row
-            raise UserError(f"train.pack_length = {self.pack_length}: must be 0 (off) or >= train.max_len "
+        if 0 < self.kernels.pack_length < self.max_len:  # a sample of max_len tokens must fit a row
+            raise UserError(f"train.kernels.pack_length = {self.kernels.pack_length}: must be 0 (off) or >= train.max_len "
                             f"({self.max_len})")
 
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from core.aux_layers import resolve_aux_layers, sglang_layer_ids
-from core.config import RunConfig
+from core.config import RunConfig, TrainKernels
 from core.drafter_config import DrafterConfig
 from core.errors import UserError
 from core.target import read_target_config, resolve_target
@@ -119,7 +119,7 @@ def drafter_params(dc: DrafterConfig) -> dict[str, int]:
 
 
 def train_memory(dc: DrafterConfig, trainable: int, batch: int, max_len: int, steps: int, bf16: bool,
-                 checkpointing: bool = False, loss_chunk: int = 8192, bf16_weights: bool = False) -> dict:
+                 kernels: TrainKernels | None = None) -> dict:
     """Bytes per GPU, an estimate of the step train/loop.py runs (flex attention: no [T,T] matrix; fused
     head loss in chunks). Static: fp32 weights + grads + AdamW's two moments of the trainable parameters,
     their bf16 autocast copies, the frozen embedding (bf16 under bf16) and the teacher's draft-vocab head.
@@ -128,8 +128,10 @@ def train_memory(dc: DrafterConfig, trainable: int, batch: int, max_len: int, st
     temporaries; with activation checkpointing only each step's inputs (~9H values). The per-token
     coefficients are fitted to the 8B shape measured on an H200 (docs/PERFORMANCE.md, bench_train_step:
     1.71 MiB/token, 0.65 with checkpointing, K=7); the AdamW moments are not in that benchmark. Fitted to
-    the per-step graphs (train.compile=yes): the default on CUDA, the K-step unroll, measured 2.7 GiB less at
-    2048-8192 tokens with the same ~1.7-1.8 MiB/token, so for it this is an upper bound."""
+    per-step graphs; the K-step unroll (train.kernels.compile) measured 2.7 GiB less at 2048-8192 tokens with the
+    same ~1.7-1.8 MiB/token, so for it this is an upper bound."""
+    kernels = kernels or TrainKernels()
+    checkpointing, loss_chunk, bf16_weights = kernels.activation_checkpointing, kernels.loss_chunk, kernels.bf16_weights
     act = 2 if bf16 else 4
     h, n, vd = dc.hidden_size, batch * max_len, dc.draft_vocab_size
     per_token_step = act * (9 * h if checkpointing else 20 * h + 3 * dc.intermediate_size)
@@ -233,9 +235,8 @@ def _train_lines(cfg: RunConfig, sh: _Shape, world_size: int) -> list[str]:
     frozen = params["embed_tokens"] + (params["lm_head"] if t.freeze_lm_head else 0)
     trainable = sum(params.values()) - frozen
     bf16 = t.mixed_precision != "no"
-    row = t.pack_length or t.max_len  # packed: up to batch_size rows of pack_length tokens
-    mem = train_memory(dc, trainable, t.batch_size, row, t.ttt_steps, bf16, t.activation_checkpointing,
-                       t.loss_chunk, t.bf16_weights)
+    row = t.kernels.pack_length or t.max_len  # packed: up to batch_size rows of pack_length tokens
+    mem = train_memory(dc, trainable, t.batch_size, row, t.ttt_steps, bf16, t.kernels)
     unembedded = sum(params.values()) - params["embed_tokens"]
     checkpoint = 4 * unembedded + (2 if bf16 else 4) * params["embed_tokens"] + 8 * trainable
     steps = math.ceil(sh.conversations / (t.batch_size * world_size * t.grad_accum)) * t.epochs

@@ -29,7 +29,7 @@ from core.hidden_shards import HiddenShards  # noqa: E402
 from core.manifest import check_compat, read_manifest  # noqa: E402
 from core.target import load_target_embeddings, target_info  # noqa: E402
 from train.data import ShardDataset, collate, precompute_argmax  # noqa: E402
-from train.ttt_loss import teacher_targets, ttt_loss  # noqa: E402
+from train.ttt_loss import Rows, teacher_targets, ttt_loss  # noqa: E402
 
 
 @torch.no_grad()
@@ -47,7 +47,7 @@ def teacher_forced_accuracy(cfg: RunConfig, draft_dir: Path, steps: int, batch: 
     for i in range(0, len(ds), batch):
         b = collate([ds[j] for j in range(i, min(i + batch, len(ds)))])
         teacher = teacher_targets(b["final"], b["loss_mask"], draft_head, drafter.t2d, b["argmax"])
-        _, sums = ttt_loss(drafter, b["aux"], b["input_ids"], b["loss_mask"], teacher, steps, 1.0)
+        _, sums = ttt_loss(drafter, Rows(b["aux"], b["input_ids"], b["loss_mask"]), teacher, steps, 1.0)
         correct, count = correct + sums["correct"], count + sums["count"]
     if not count[0]:
         raise UserError(f"{shards.dir}: no sample has a trained-on token to score")

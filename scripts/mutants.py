@@ -14,7 +14,7 @@ checkpointing, flash kernel + log-sum-exp merge, one-graph unroll), O1-O4 its on
 number of processes, G1-G6 issue 14's static batched generation loop (G6: its CPU prefill in row
 groups), P1-P3 data_gen's pool of requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
 (core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
-sequence packing (train.pack_length), H1-H4 its bf16 weights with fp32 masters (train.bf16_weights),
+sequence packing (train.kernels.pack_length), H1-H4 its bf16 weights with fp32 masters (train.kernels.bf16_weights),
 E1-E2 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter), R1-R3 the eager TTT
 steps pruned to the rows a later step counts (TTTObjective's prune_rows), KM1-KM6 issue 48's Kimi-K2.5 failures
 put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V10 issue 50's unfinished upstream,
@@ -138,7 +138,7 @@ MUTANTS = [
            "g = logp.exp() * pc.sum(-1, keepdim=True) - pc", FAST),
     Mutant("F4", "activation checkpointing recomputes with the grown key list", "train/ttt_loss.py",
            "tuple(keys), tuple(values), attention,", "keys, values, attention,", FAST),
-    Mutant("F8", "train.compile=unroll runs the plain per-step loop (the one-graph unroll never runs)",
+    Mutant("F8", "train.kernels.compile=unroll runs the plain per-step loop (the one-graph unroll never runs)",
            "train/ttt_loss.py", 'if compile == "unroll":', "if False:", FAST),
     Mutant("F9", "flash TTT attention hands the step's strided views to its kernel (an H200 gave 10-100% errors)",
            "train/ttt_attention.py",
@@ -152,7 +152,7 @@ MUTANTS = [
            "train/master_weights.py", "                m.copy_(saved)", "                pass", ("tests/test_master_weights.py",)),
     Mutant("H2", "bf16 weights: the masters step but are never written back to the weights",
            "train/master_weights.py", "            p.copy_(m)", "            pass", ("tests/test_master_weights.py",)),
-    Mutant("H3", "train.bf16_weights trains with plain AdamW on the bf16 weights", "train/loop.py",
+    Mutant("H3", "train.kernels.bf16_weights trains with plain AdamW on the bf16 weights", "train/loop.py",
            "optimizer = MasterWeightAdamW if tc.bf16_weights else torch.optim.AdamW",
            "optimizer = torch.optim.AdamW", ("tests/test_master_weights.py",)),
     Mutant("H4", "the loop's learning rate never reaches the masters' AdamW", "train/master_weights.py",

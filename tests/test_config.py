@@ -62,9 +62,9 @@ def test_yaml_bare_no_and_yes_are_the_strings(tmp_path):
     as the strings they meant."""
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  mixed_precision: no\nextract:\n  mixed_precision: no\n")
-    cfg = load_config(path, ["train.compile=yes", "data_gen.compile=no"])
+    cfg = load_config(path, ["data_gen.compile=yes", "train.kernels.compile=no"])
     assert cfg.train.mixed_precision == "no" and cfg.extract.mixed_precision == "no"
-    assert cfg.train.compile == "yes" and cfg.data_gen.compile == "no"
+    assert cfg.data_gen.compile == "yes" and cfg.train.kernels.compile == "no"
 
 
 def test_check_compat_refuses_a_missing_or_different_key(tmp_path):
@@ -85,7 +85,7 @@ def test_check_compat_refuses_a_missing_or_different_key(tmp_path):
     ("data_gen.top_p=1.5", "data_gen.top_p = 1.5: must be > 0 and <= 1"), ("eval.concurrency=[1,0]", "eval.concurrency"),
     ("extract.aux_layers=[2,-1,5]", "extract.aux_layers = [2, -1, 5]: must be >= 0"),
     ("eval.max_prompts=0", "eval.max_prompts = 0"), ("eval.max_new_tokens=0", "eval.max_new_tokens = 0"),
-    ("train.pack_length=127", "train.pack_length = 127: must be 0 (off) or >= train.max_len (128)"),
+    ("train.kernels.pack_length=127", "train.kernels.pack_length = 127: must be 0 (off) or >= train.max_len (128)"),
     ("eval.target_outtype=q3", "eval.target_outtype = 'q3': must be one of '' | 'f32'"),
     ("eval.gguf_outtype=fp16", "eval.gguf_outtype = 'fp16': must be one of 'f32' | 'f16'"),
     ("eval.draft_p_min=-0.5", "eval.draft_p_min = -0.5: must be >= 0"),
@@ -132,21 +132,22 @@ def test_threads_come_from_the_key_then_omp_num_threads_then_the_idle_cores(monk
         torch.set_num_threads(before)
 
 
-def enum_keys() -> list[tuple[str, tuple]]:
-    """Every config key declared with choices, as (dotted key, choices)."""
+def enum_keys(cfg=None, prefix: str = "") -> list[tuple[str, tuple]]:
+    """Every config key declared with choices, sections within sections too, as (dotted key, choices)."""
     from core.config import RunConfig
 
-    out = []
-    for section in dataclasses.fields(RunConfig):
-        cls = type(getattr(RunConfig(), section.name))
-        if dataclasses.is_dataclass(cls):
-            out += [(f"{section.name}.{f.name}", f.metadata["choices"]) for f in dataclasses.fields(cls)
-                    if f.metadata.get("choices")]
+    cfg, out = cfg if cfg is not None else RunConfig(), []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out += enum_keys(value, f"{prefix}{f.name}.")
+        elif f.metadata.get("choices"):
+            out.append((f"{prefix}{f.name}", f.metadata["choices"]))
     return out
 
 
 def test_every_enum_of_the_config_is_declared():
-    assert len(enum_keys()) == 20 and ("train.attention", ("auto", "dense", "flex", "flash", "cudnn")) in enum_keys()
+    assert len(enum_keys()) == 20 and ("train.kernels.attention", ("auto", "dense", "flex", "cudnn")) in enum_keys()
 
 
 @pytest.mark.parametrize("key, choices", enum_keys(), ids=[k for k, _ in enum_keys()])

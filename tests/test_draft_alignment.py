@@ -17,7 +17,7 @@ from core.target import load_target, load_target_embeddings
 from tests.conftest import ROOT
 from train.draft_vocab import build_draft_vocab
 from train.loop import build_drafter
-from train.ttt_loss import TTTObjective, teacher_argmax, teacher_targets, ttt_loss
+from train.ttt_loss import Rows, TTTObjective, teacher_argmax, teacher_targets, ttt_loss
 
 K = 3
 ANSWER_TOKENS = 40
@@ -64,7 +64,7 @@ def test_ttt_step_outputs_equal_decode_time_drafts(seq, monkeypatch):
     teacher = (torch.zeros(1, t_len, drafter.config.draft_vocab_size), torch.zeros(1, t_len, dtype=torch.long),
                torch.ones(1, t_len, dtype=torch.bool))
     with torch.no_grad():
-        ttt_loss(drafter, aux, ids, ones, teacher, K, 1.0)
+        ttt_loss(drafter, Rows(aux, ids, ones), teacher, K, 1.0)
     assert [s.shape[0] for s in outputs] == [t_len] * K  # the unroll norms every row; the loss reads these
     steps = [s[:t_len - k - 2] for k, s in enumerate(outputs)]
 

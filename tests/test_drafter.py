@@ -16,7 +16,7 @@ from tests.sglang_source import (
     sglang_norm_before_fc,
 )
 from train.draft_vocab import build_draft_vocab, d2t_offsets
-from train.ttt_loss import TTTObjective, step_metrics, teacher_argmax, teacher_targets, ttt_loss
+from train.ttt_loss import Rows, TTTObjective, step_metrics, teacher_argmax, teacher_targets, ttt_loss
 
 B, T, H, V, VD = 2, 12, 32, 100, 40
 
@@ -73,7 +73,7 @@ def test_overfits_one_batch():
         opt.zero_grad()
         loss.backward()
         opt.step()
-    _, m = ttt_loss(d, aux, ids, mask, teacher, 3, 0.8)
+    _, m = ttt_loss(d, Rows(aux, ids, mask), teacher, 3, 0.8)
     assert torch.equal(m["correct"], m["count"]), m
     # soft CE floor is the teacher entropy; being far below the start shows it learned
     assert loss.item() < 0.5 * first
@@ -242,7 +242,7 @@ def test_loss_decay_weights_each_steps_gradient():
     grads, values = {}, {}
     for decay in (1.0, 0.5, 0.25):
         d.zero_grad()
-        loss, m = ttt_loss(d, aux, ids, mask, teacher, 2, decay)
+        loss, m = ttt_loss(d, Rows(aux, ids, mask), teacher, 2, decay)
         loss.backward()
         grads[decay] = torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None])
         per_step = m["loss_sum"] / m["count"]

@@ -1,4 +1,4 @@
-"""train.bf16_weights: bf16 weights with fp32 masters in the optimizer (train/master_weights.py).
+"""train.kernels.bf16_weights: bf16 weights with fp32 masters in the optimizer (train/master_weights.py).
 
 The optimizer must step the masters exactly as torch's AdamW steps fp32 weights, carry the masters through
 a checkpoint (a resumed run continues from them, not from the rounded weights), and a whole run must stop
@@ -12,11 +12,11 @@ import shutil
 import pytest
 import torch
 
-from core.config import load_config
+from core.config import TrainKernels, load_config
 from tests.conftest import ROOT, run_cli
 from train.master_weights import MasterWeightAdamW, weights_to_bf16
 
-BF16 = ["train.mixed_precision=bf16", "train.bf16_weights=true", "train.wandb_mode=disabled", "train.epochs=3",
+BF16 = ["train.mixed_precision=bf16", "train.kernels.bf16_weights=true", "train.wandb_mode=disabled", "train.epochs=3",
         "train.lr=3e-3"]
 
 
@@ -88,7 +88,7 @@ def test_train_builds_the_master_weight_optimizer_for_bf16_weights():
     from train.loop import make_optimizer
 
     w = [torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)]
-    masters = make_optimizer(w, TrainConfig(bf16_weights=True))
+    masters = make_optimizer(w, TrainConfig(kernels=TrainKernels(bf16_weights=True)))
     assert isinstance(masters, MasterWeightAdamW) and masters.inner.defaults["fused"]
     plain = make_optimizer([torch.zeros(3, requires_grad=True)], TrainConfig())
     assert type(plain) is torch.optim.AdamW and plain.defaults["fused"]  # one kernel, not the foreach loop
@@ -160,7 +160,7 @@ def test_a_bf16_weight_run_stopped_and_resumed_exports_what_an_uninterrupted_run
     for name in a:
         assert torch.equal(a[name], b[name]), name
     settings = json.loads((whole.run_path / "train/manifest.json").read_text())["settings"]
-    assert settings["train.bf16_weights"] is True  # a run of the other layout trains anew, never resumes this one
+    assert settings["train.kernels.bf16_weights"] is True  # a run of the other layout trains anew, never resumes this one
 
 
 def test_bf16_weights_without_bf16_training_is_refused_before_anything_is_written(data, tmp_path):
@@ -169,6 +169,6 @@ def test_bf16_weights_without_bf16_training_is_refused_before_anything_is_writte
     proc = run_cli("train", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(tmp_path / "fp32"), *BF16,
                    "train.mixed_precision=no", check=False)
     assert proc.returncode != 0
-    assert ("train.bf16_weights = true needs bf16 training: train.mixed_precision resolved to 'no' here; set "
-            "train.mixed_precision=bf16 or train.bf16_weights=false") in proc.stderr
+    assert ("train.kernels.bf16_weights = true needs bf16 training: train.mixed_precision resolved to 'no' here; set "
+            "train.mixed_precision=bf16 or train.kernels.bf16_weights=false") in proc.stderr
     assert not (tmp_path / "fp32/train/manifest.json").exists() and not (tmp_path / "fp32/drafter").exists()

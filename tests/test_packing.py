@@ -1,4 +1,4 @@
-"""Sequence packing (train.pack_length) trains what the right-padded batch trains: four documents packed
+"""Sequence packing (train.kernels.pack_length) trains what the right-padded batch trains: four documents packed
 into two rows give the padded batch's loss, per-step sums and gradients through train/fit.py's batch_loss
 (fp32, 1e-5), no document reads another, and flex's document block mask equals the dense mask (forward:
 flex has no CPU backward)."""
@@ -6,15 +6,15 @@ flex has no CPU backward)."""
 import pytest
 import torch
 
-from core.config import RunConfig, TrainConfig
+from core.config import RunConfig, TrainConfig, TrainKernels
 from core.drafter import Eagle3Drafter
 from core.errors import UserError
 from tests.test_ttt_fast_paths import TOL, drafter
 from train import ttt_attention
-from train.fit import Fit, batch_loss
+from train.fit import Fit, TeacherHead, batch_loss
 from train.packing import pack
 from train.ttt_attention import BLOCK, dense_ttt_attention, flex_ttt_attention, ttt_block_mask
-from train.ttt_loss import TTTObjective, teacher_argmax, teacher_targets, ttt_loss
+from train.ttt_loss import Rows, StepOptions, TTTObjective, teacher_argmax, teacher_targets, ttt_loss
 
 LENGTHS, PACK, K = [20, 15, 25, 12], 40, 4  # next-fit: rows [20 | 15 | 5 pad], [25 | 12 | 3 pad]
 
@@ -40,11 +40,13 @@ def lm_head(d):
 def run_batch(batch, pack_length, loss_on_prompt=False, aux_noise=0.0, prune_rows=False):
     """train/fit.py's batch_loss on a fresh drafter -> (loss, per-step sums, gradients)."""
     d = drafter()
-    tc = TrainConfig(ttt_steps=K, max_len=PACK, pack_length=pack_length, loss_on_prompt=loss_on_prompt,
-                     aux_noise=aux_noise)
+    tc = TrainConfig(ttt_steps=K, max_len=PACK, loss_on_prompt=loss_on_prompt, aux_noise=aux_noise,
+                     kernels=TrainKernels(pack_length=pack_length))
     source = type("Source", (), {"complete": staticmethod(lambda b: b), "where": staticmethod(str)})
-    head = (lm_head(d)[d.t2d], d.t2d, torch.rand(3 * d.config.target_hidden_size) + 0.5)
-    f = Fit(RunConfig(train=tc), None, TTTObjective(d, K, 0.8, prune_rows=prune_rows), None, source, None, None, head, None, 1, 1, None)
+    head = TeacherHead(lm_head(d)[d.t2d], d.t2d, torch.rand(3 * d.config.target_hidden_size) + 0.5)
+    objective = TTTObjective(d, K, 0.8, StepOptions(prune_rows=prune_rows))
+    f = Fit(cfg=RunConfig(train=tc), accelerator=None, objective=objective, opt=None, source=source, ds=None,
+            probe=None, head=head, train_dir=None, step_batches=1, accum=1, export=None)
     loss, sums = batch_loss(f, batch, epoch=1, index=3, step=0)
     loss.backward()
     return loss.detach(), sums, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}
@@ -73,7 +75,7 @@ def test_pack_lays_documents_out_next_fit_with_their_own_ids_and_positions():
         assert torch.equal(p["positions"][r, off:off + n], torch.arange(n))
     assert p["doc_ids"][0, 35:].eq(-1).all() and p["doc_ids"][1, 37:].eq(-1).all() and p["valid"].sum() == sum(LENGTHS)
     assert p["ids"] == batch["ids"]
-    with pytest.raises(UserError, match="train.pack_length = 24: set train.pack_length >= train.max_len"):
+    with pytest.raises(UserError, match="train.kernels.pack_length = 24: set train.kernels.pack_length >= train.max_len"):
         pack(batch, 24)
 
 
@@ -174,11 +176,10 @@ def test_packed_ttt_loss_with_flex_attention_equals_dense(monkeypatch):
     d = drafter()
     p = pack(padded_batch([90, 70, 120, 60], d), 200)
     teacher = teacher_targets(p["final"], p["loss_mask"], lm_head(d)[d.t2d], d.t2d, p["argmax"], p["doc_ids"])
-    args = (d, p["aux"], p["input_ids"], p["loss_mask"], teacher, K, 0.8)
-    docs = {"doc_ids": p["doc_ids"], "positions": p["positions"]}
+    rows = Rows(p["aux"], p["input_ids"], p["loss_mask"], p["doc_ids"], p["positions"])
     with torch.no_grad():
-        dense = ttt_loss(*args, **docs)
-        flex = ttt_loss(*args, attention="flex", **docs)
+        dense = ttt_loss(d, rows, teacher, K, 0.8)
+        flex = ttt_loss(d, rows, teacher, K, 0.8, StepOptions("flex"))
     torch.testing.assert_close(flex[0], dense[0], **TOL)
     for key in dense[1]:
         torch.testing.assert_close(flex[1][key], dense[1][key], **TOL)

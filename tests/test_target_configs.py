@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from core.aux_layers import resolve_aux_layers
-from core.config import check_ranges, load_config
+from core.config import TrainKernels, check_ranges, load_config
 from core.drafter import EXPORT_EXCLUDE, DrafterConfig, Eagle3Drafter
 from core.plan import drafter_params, plan, shard_bytes_per_token, train_memory
 from core.target import read_target_config, target_info
@@ -184,12 +184,12 @@ def test_train_memory_estimate_matches_the_h200_measurements_and_grows_with_batc
     trainable = 424_689_664  # the bench's drafter
     for t, measured in H200_PEAK_GIB.items():
         for checkpointing, gib in zip((False, True), measured, strict=True):
-            est = train_memory(dc, trainable, 1, t, 7, True, checkpointing)
+            est = train_memory(dc, trainable, 1, t, 7, True, TrainKernels(activation_checkpointing=checkpointing))
             without_adam = (sum(est.values()) - 8 * trainable) / 2**30
             assert abs(without_adam - gib) / gib < 0.1, (t, checkpointing, without_adam, gib)
     base = train_memory(dc, 400_000_000, 2, 2048, 7, True)
     assert base["weights, grads, AdamW"] == 18 * 400_000_000  # fp32 x 4 + the bf16 autocast copies
-    masters = train_memory(dc, 400_000_000, 2, 2048, 7, True, bf16_weights=True)  # bf16 x 2 + fp32 masters x 3
+    masters = train_memory(dc, 400_000_000, 2, 2048, 7, True, TrainKernels(bf16_weights=True))  # bf16 x 2 + fp32 masters x 3
     assert masters["weights, grads, AdamW"] == 16 * 400_000_000
     assert train_memory(dc, 400_000_000, 4, 2048, 7, True)["activations"] > base["activations"]
     assert train_memory(dc, 400_000_000, 2, 2048, 3, True)["activations"] < base["activations"]

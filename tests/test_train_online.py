@@ -117,19 +117,19 @@ def test_switching_source_on_a_run_is_refused(runs):
         train(tiny(offline.run_path, "train.source=shards"))
 
 
-def test_flash_attention_that_fails_its_check_stops_before_training(runs, tmp_path, monkeypatch):
-    """train.attention=flash runs train/flash_check.py on the device first: a kernel whose gradients are off
-    stops the run with the check's error, before any step or export."""
-    from train import flash_check
+def test_merged_attention_that_fails_its_check_stops_before_training(runs, tmp_path, monkeypatch):
+    """train.kernels.attention=cudnn runs train/attention_check.py on the device first: a kernel whose gradients
+    are off stops the run with the check's error, before any step or export."""
+    from train import attention_check
     from train.loop import main as train
 
     offline, _ = runs
-    run = tmp_path / "flash"
+    run = tmp_path / "cudnn"
     for part in ("conversations", "hidden"):
         shutil.copytree(offline.run_path / part, run / part)
-    monkeypatch.setattr(flash_check, "flash_gradient_errors", lambda device, kernel: {"fc.weight": 0.2, "norm.weight": 0.01})
-    with pytest.raises(UserError, match=r"flash: on this CPU its gradients differ .* by up to 20.0% \(fc.weight"):
-        train(tiny(run, "train.attention=flash"))
+    monkeypatch.setattr(attention_check, "merged_gradient_errors", lambda device: {"fc.weight": 0.2, "norm.weight": 0.01})
+    with pytest.raises(UserError, match=r"cudnn: on this CPU its gradients differ .* by up to 20.0% \(fc.weight"):
+        train(tiny(run, "train.kernels.attention=cudnn"))
     assert not (run / "train/metrics.jsonl").exists() and not (run / "drafter").exists()
 
 

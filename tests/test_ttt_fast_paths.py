@@ -1,5 +1,6 @@
 """The fast TTT paths compute the plain reference's function (issue 13): flex attention with the TTT
-block mask and the flash kernel + log-sum-exp merge against the dense [T,T] attention, the fused chunked head loss against plain autograd, and
+block mask and the causal kernel + log-sum-exp merge (train.kernels.attention=cudnn; PyTorch's CPU flash kernel
+here) against the dense [T,T] attention, the fused chunked head loss against plain autograd, and
 activation checkpointing, at 1e-5 in fp32 on random inputs with partial loss masks.
 Flex attention has no backward on CPU, so its gradients are checked on the GPU (bench/bench_train_step.py)."""
 
@@ -19,7 +20,7 @@ from train.ttt_attention import (
     padded_length,
     ttt_block_mask,
 )
-from train.ttt_loss import TTTObjective, ttt_loss
+from train.ttt_loss import Rows, StepOptions, TTTObjective, ttt_loss
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -63,7 +64,7 @@ def test_flex_block_mask_attention_equals_dense(t):
         torch.testing.assert_close(flex[:, :, :t], dense, **TOL)
 
 
-def test_flash_kernel_merged_with_the_diagonal_equals_dense_with_gradients():
+def test_causal_kernel_merged_with_the_diagonal_equals_dense_with_gradients():
     """Outputs and the gradients of q and every step's keys and values (GQA, steps 1-4, a length off any
     block size): the kernel's backward, handed the merged output and log-sum-exp, plus the diagonal terms."""
     g = torch.Generator().manual_seed(7)
@@ -80,13 +81,13 @@ def test_flash_kernel_merged_with_the_diagonal_equals_dense_with_gradients():
             torch.testing.assert_close(b, a, **TOL)
 
 
-def test_flash_attention_takes_the_steps_transposed_views_as_contiguous_copies(monkeypatch):
+def test_merged_attention_takes_the_steps_transposed_views_as_contiguous_copies(monkeypatch):
     """The step hands q/k/v as transposed [B,T,n,d] views. On an H200 such inputs gave outputs and gradients
     10-100% off from step 2 on, contiguous copies 0.4% (bf16): the kernel must only ever see contiguous ones,
     and the gradients must still reach the views' leaves."""
     real, seen = ttt_attention._MergedAttention.apply, []
     monkeypatch.setattr(ttt_attention._MergedAttention, "apply",
-                        lambda kernel, *xs: seen.append(all(x.is_contiguous() for x in xs)) or real(kernel, *xs))
+                        lambda *xs: seen.append(all(x.is_contiguous() for x in xs)) or real(*xs))
     g = torch.Generator().manual_seed(3)
     leaves = [torch.randn(2, 37, n, 16, generator=g, requires_grad=True) for n in (4, 2, 2, 2, 2)]
     q, k0, k1, v0, v1 = (x.transpose(1, 2) for x in leaves)
@@ -97,13 +98,6 @@ def test_flash_attention_takes_the_steps_transposed_views_as_contiguous_copies(m
     assert seen == [True]
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(b, a, **TOL)
-
-
-def test_merged_attention_refuses_a_kernel_it_does_not_have():
-    q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 4)
-    with pytest.raises(ValueError, match="'cudnn2' is not one of"):
-        merged_ttt_attention(q, [k], [v], "cudnn2")
-    torch.testing.assert_close(merged_ttt_attention(q, [k], [v], "cudnn"), dense_ttt_attention(q, [k], [v]), **TOL)
 
 
 def test_block_mask_visits_causal_blocks_and_one_diagonal_block_per_later_step():
@@ -146,7 +140,7 @@ def assert_trains_like_the_reference(d: Eagle3Drafter, steps: int, options: dict
     results = []
     for o in ({}, options):
         d.zero_grad(set_to_none=True)
-        loss, sums = TTTObjective(d, steps, 0.8, **o)(aux, ids, mask, teacher)
+        loss, sums = TTTObjective(d, steps, 0.8, StepOptions(**o))(aux, ids, mask, teacher)
         loss.backward()
         results.append((loss.detach(), sums, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
     (l0, s0, g0), (l1, s1, g1) = results
@@ -159,10 +153,10 @@ def assert_trains_like_the_reference(d: Eagle3Drafter, steps: int, options: dict
 
 
 @pytest.mark.parametrize("options", [{"loss_chunk": 7}, {"loss_chunk": 7, "checkpoint": True},
-                                     {"loss_chunk": 0, "checkpoint": True}, {"attention": "flash", "loss_chunk": 7},
-                                     {"attention": "flash", "checkpoint": True}, {"prune_rows": True},
+                                     {"loss_chunk": 0, "checkpoint": True}, {"attention": "merged", "loss_chunk": 7},
+                                     {"attention": "merged", "checkpoint": True}, {"prune_rows": True},
                                      {"prune_rows": True, "loss_chunk": 7, "checkpoint": True},
-                                     {"prune_rows": True, "attention": "flash"}])
+                                     {"prune_rows": True, "attention": "merged"}])
 def test_ttt_loss_options_give_the_reference_loss_and_gradients(options):
     assert_trains_like_the_reference(drafter(), 4, options)
 
@@ -190,7 +184,7 @@ def test_pruned_steps_run_on_the_counted_rows_only(monkeypatch):
     monkeypatch.setattr(module, "ttt_attention", lambda q, *a: first.append(q.shape) or real_attention(q, *a))
     aux, ids, mask, teacher = inputs(2, 40, d)
     mask[:, :20] = 0  # a prompt: no step counts a row there
-    TTTObjective(d, 4, 0.8, prune_rows=True)(aux, ids, mask, teacher)
+    TTTObjective(d, 4, 0.8, StepOptions(prune_rows=True))(aux, ids, mask, teacher)
     masks = [module.counted(mask, teacher[2], None, k) for k in range(4)]
     assert first[0][0] == 2 and first[0][2] == 40  # step 0's attention: every row's query, key and value
     finishes = [n for kind, n, _ in seen if kind == "finish"]
@@ -215,7 +209,7 @@ def test_pruned_steps_take_a_batch_that_no_later_step_counts():
     results = []
     for prune in (False, True):
         d.zero_grad(set_to_none=True)
-        loss, sums = TTTObjective(d, 4, 0.8, prune_rows=prune)(aux, ids, mask, teacher)
+        loss, sums = TTTObjective(d, 4, 0.8, StepOptions(prune_rows=prune))(aux, ids, mask, teacher)
         loss.backward()
         results.append((loss.detach(), sums["count"], d.fc.weight.grad))
     (l0, c0, g0), (l1, c1, g1) = results
@@ -233,8 +227,8 @@ def test_ttt_loss_with_flex_attention_equals_dense(monkeypatch):
     d = drafter()
     aux, ids, mask, teacher = inputs(2, 100, d)
     with torch.no_grad():
-        dense = ttt_loss(d, aux, ids, mask, teacher, 4, 0.8)
-        flex = ttt_loss(d, aux, ids, mask, teacher, 4, 0.8, attention="flex", loss_chunk=64)
+        dense = ttt_loss(d, Rows(aux, ids, mask), teacher, 4, 0.8)
+        flex = ttt_loss(d, Rows(aux, ids, mask), teacher, 4, 0.8, StepOptions("flex", loss_chunk=64))
     torch.testing.assert_close(flex[0], dense[0], **TOL)
     for key in dense[1]:
         torch.testing.assert_close(flex[1][key], dense[1][key], **TOL)
@@ -242,40 +236,39 @@ def test_ttt_loss_with_flex_attention_equals_dense(monkeypatch):
 
 
 def test_step_options_name_the_setting_that_cannot_run():
-    """Settings that cannot run stop before any training with the setting's name."""
-    from core.config import TrainConfig
+    """train.kernels -> the step's options: auto picks the fastest path measured for the device and the rows;
+    settings that cannot run stop before any training with the setting's name."""
+    from core.config import TrainKernels
     from core.errors import UserError
     from train.loop import step_options
 
-    cpu = torch.device("cpu")
-    assert step_options(TrainConfig(attention="flash"), cpu)["attention"] == "flash"  # the CPU flash kernel runs
-    # the defaults: the plain path on CPU; flex in the K-step unroll on CUDA (the faster, leaner one measured)
-    assert step_options(TrainConfig(), cpu) == {"attention": "dense", "loss_chunk": 8192, "compile": False,
-                                                "checkpoint": False, "prune_rows": True}
-    assert step_options(TrainConfig(), torch.device("cuda"))["prune_rows"] is False  # static shapes for the graphs
-    assert step_options(TrainConfig(), torch.device("cuda"))["compile"] == "unroll"
-    # flex's CUDA kernels need head dims >= 16: auto falls back to dense below, an explicit flex is refused
-    assert step_options(TrainConfig(), torch.device("cuda"), head_dim=8)["attention"] == "dense"
-    assert step_options(TrainConfig(), torch.device("cuda"), head_dim=16)["attention"] == "flex"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # the defaults: the plain path on CPU; cuDNN's attention in the K-step unroll on CUDA, flex for packed rows
+    assert step_options(TrainKernels(), cpu) == StepOptions("dense", 8192, False, False, prune_rows=True)
+    assert step_options(TrainKernels(), cuda, head_dim=128) == StepOptions("merged", 8192, False, True, False)
+    assert step_options(TrainKernels(pack_length=4096), cuda, head_dim=128).attention == "flex"
+    # cuDNN takes head dims that are multiples of 8 up to 128; flex's kernels >= 16; below, dense
+    assert step_options(TrainKernels(), cuda, head_dim=112).attention == "merged"
+    assert step_options(TrainKernels(), cuda, head_dim=192).attention == "flex"
+    assert step_options(TrainKernels(), cuda, head_dim=12).attention == "dense"
+    assert step_options(TrainKernels(attention="cudnn"), cpu).attention == "merged"  # the CPU flash kernel runs it
     with pytest.raises(UserError, match="flex: its CUDA kernels need a head dim of at least 16, this drafter's is 8"):
-        step_options(TrainConfig(attention="flex"), torch.device("cuda"), head_dim=8)
-    assert step_options(TrainConfig(compile="yes"), torch.device("cuda"))["compile"] is True
-    with pytest.raises(UserError, match="train.attention = flash takes one document per row"):
-        step_options(TrainConfig(attention="flash", pack_length=4096), cpu)
-    with pytest.raises(UserError, match="train.attention = cudnn takes one document per row"):
-        step_options(TrainConfig(attention="cudnn", pack_length=4096), torch.device("cuda"))
-    assert step_options(TrainConfig(attention="cudnn"), torch.device("cuda"))["attention"] == "cudnn"
-    with pytest.raises(UserError, match="train.attention = flex needs a CUDA device"):
-        step_options(TrainConfig(attention="flex"), cpu)
-    with pytest.raises(UserError, match="train.attention = cudnn needs a CUDA device"):
-        step_options(TrainConfig(attention="cudnn"), cpu)
-    with pytest.raises(UserError, match=re.escape("train.attention = 'flesh': must be one of 'auto' | 'dense' |")):
-        load_config(overrides=["train.attention=flesh"])
+        step_options(TrainKernels(attention="flex"), cuda, head_dim=8)
+    with pytest.raises(UserError, match="cudnn: cuDNN takes head dims that are multiples of 8 up to 128, this "
+                                        "drafter's is 192"):
+        step_options(TrainKernels(attention="cudnn"), cuda, head_dim=192)
+    with pytest.raises(UserError, match="train.kernels.attention = cudnn takes one document per row"):
+        step_options(TrainKernels(attention="cudnn", pack_length=4096), cuda)
+    with pytest.raises(UserError, match="train.kernels.attention = flex needs a CUDA device"):
+        step_options(TrainKernels(attention="flex"), cpu)
+    assert step_options(TrainKernels(compile="unroll"), cpu).unroll is True
+    with pytest.raises(UserError, match=re.escape("train.kernels.attention = 'flesh': must be one of 'auto' |")):
+        load_config(overrides=["train.kernels.attention=flesh"])
 
 
-@pytest.mark.parametrize("attention", ["dense", "flash"])
+@pytest.mark.parametrize("attention", ["dense", "merged"])
 def test_unrolled_compile_gives_the_reference_loss_and_gradients(monkeypatch, attention):
-    """train.compile=unroll: all K steps traced as one graph (AOTAutograd's joint forward/backward, here with
+    """train.kernels.compile=unroll: all K steps traced as one graph (AOTAutograd's joint forward/backward, here with
     the aot_eager backend: inductor's kernels are the GPU's business) train what the plain loop trains."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -283,28 +276,29 @@ def test_unrolled_compile_gives_the_reference_loss_and_gradients(monkeypatch, at
 
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(module, "compiled", lambda fn: torch.compile(fn, backend=counter))
-    assert_trains_like_the_reference(drafter(), 3, {"compile": "unroll", "loss_chunk": 7, "attention": attention})
-    assert counter.frame_count == 1  # the three steps became one graph (flash's kernels and merge inside it), and it ran
+    assert_trains_like_the_reference(drafter(), 3, {"unroll": True, "loss_chunk": 7, "attention": attention})
+    assert counter.frame_count == 1  # the three steps became one graph (the merged kernel inside it), and it ran
 
 
-def test_flash_checks_itself_against_the_dense_path_and_names_what_is_off(monkeypatch):
-    """train/flash_check.py: on a correct kernel (CPU, fp32) every gradient agrees and the check passes; with the
-    diagonal terms dropped, as a broken kernel might, it stops with the parameter and the limit. The caller's
-    RNG is left as it was (training's data order and init must not depend on whether flash was checked)."""
+def test_merged_attention_checks_itself_against_the_dense_path_and_names_what_is_off(monkeypatch):
+    """train/attention_check.py: on a correct kernel (CPU, fp32) every gradient agrees and the check passes; with
+    the diagonal terms dropped, as a broken kernel might, it stops with the parameter and the limit. The caller's
+    RNG is left as it was (training's data order and init must not depend on whether the kernel was checked)."""
     from core.errors import UserError
-    from train import flash_check
+    from train import attention_check
     from train import ttt_loss as module
 
     state = torch.get_rng_state()
-    errors = flash_check.flash_gradient_errors(torch.device("cpu"))
+    errors = attention_check.merged_gradient_errors(torch.device("cpu"))
     assert torch.equal(torch.get_rng_state(), state)
     assert len(errors) >= 10 and max(errors.values()) < 1e-4
-    flash_check.check_flash(torch.device("cpu"))
+    attention_check.check_merged_attention(torch.device("cpu"))
     real = module.merged_ttt_attention
-    monkeypatch.setattr(module, "merged_ttt_attention", lambda q, keys, values, kernel: real(q, keys[:1], values[:1], kernel))
-    with pytest.raises(UserError, match=r"train.attention = flash: on this CPU its gradients differ from the dense "
-                                        r"path's by up to \d+\.\d% \(.+; 3% allowed\): use train.attention=flex"):
-        flash_check.check_flash(torch.device("cpu"))
+    monkeypatch.setattr(module, "merged_ttt_attention", lambda q, keys, values: real(q, keys[:1], values[:1]))
+    with pytest.raises(UserError, match=r"train.kernels.attention = cudnn: on this CPU its gradients differ from the "
+                                        r"dense path's by up to \d+\.\d% \(.+; 3% allowed\): use "
+                                        r"train.kernels.attention=flex"):
+        attention_check.check_merged_attention(torch.device("cpu"))
 
 
 def test_step_benchmark_runs_and_records_a_finite_step(tmp_path):

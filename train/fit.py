@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -28,6 +29,14 @@ from train.tau_probe import TauProbe
 from train.ttt_loss import step_metrics, teacher_targets
 
 
+class TeacherHead(NamedTuple):
+    """On the device: the target lm_head's rows of the draft vocab [Vd,H] (the teacher's), t2d [V], and each raw
+    aux feature's RMS [3H] (train.aux_noise's unit)."""
+    draft_head: torch.Tensor
+    t2d: torch.Tensor
+    raw_rms: torch.Tensor
+
+
 @dataclass
 class Fit:
     """What the loop reads, built once per launch, and the few things it moves on."""
@@ -38,7 +47,7 @@ class Fit:
     source: object  # ShardSource | OnlineSource (train/data.py): ds's samples, lengths, complete(batch), where(ids)
     ds: torch.utils.data.Dataset  # source.dataset(...)
     probe: TauProbe
-    head: tuple  # (the teacher's draft-vocab rows [Vd,H], t2d, the raw aux RMS: train.aux_noise's unit) on the device
+    head: TeacherHead
     train_dir: Path
     step_batches: int  # batches per optimizer step at the run's first launch
     accum: int  # micro-batches per rank per step in this launch
@@ -67,8 +76,8 @@ def batch_loss(f: Fit, batch: dict, epoch: int, index: int, step: int):
         g = batch_generator(f.cfg.seed, epoch, index, aux.device)
         noise = torch.rand(aux.shape, generator=g, device=aux.device, dtype=aux.dtype)
         batch = {**batch, "aux": aux + (noise * 2 - 1) * tc.aux_noise * raw_rms}
-    if tc.pack_length:  # after the noise, drawn as for the padded batch: packing changes the layout only
-        batch = pack(batch, tc.pack_length)
+    if tc.kernels.pack_length:  # after the noise, drawn as for the padded batch: packing changes the layout only
+        batch = pack(batch, tc.kernels.pack_length)
     mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
     doc_ids, positions = batch.get("doc_ids"), batch.get("positions")  # packed rows only
     teacher = teacher_targets(batch["final"], mask, draft_head, t2d, batch["argmax"], doc_ids)

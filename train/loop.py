@@ -24,12 +24,13 @@ from accelerate.utils import set_seed
 
 from core import trained_prompts
 from core.atomic_io import atomic_write_json, read_jsonl
-from core.config import RunConfig, to_dict
+from core.config import RunConfig, TrainConfig, TrainKernels, to_dict
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.errors import UserError
 from core.manifest import open_stage_dir, write_manifest
 from core.stage_lock import stage_lock
 from core.target import TargetHead, load_target_embeddings, read_target_config, resolve_precision, target_info
+from train.attention_check import check_merged_attention
 from train.checkpoint import load_checkpoint, read_latest, trim_logs
 from train.data import ShardSource, aux_rms
 from train.draft_vocab import (
@@ -40,15 +41,13 @@ from train.draft_vocab import (
     d2t_offsets,
     token_counts,
 )
-from train.fit import Fit, fit
-from train.flash_check import check_flash
+from train.fit import Fit, TeacherHead, fit
 from train.master_weights import MasterWeightAdamW, weights_to_bf16
 from train.online import OnlineSource
 from train.plots import plot_curves
 from train.position import accum_for
 from train.tau_probe import TauProbe
-from train.ttt_attention import KERNELS
-from train.ttt_loss import TTTObjective
+from train.ttt_loss import StepOptions, TTTObjective
 
 log = logging.getLogger("train")
 
@@ -82,8 +81,7 @@ def frozen_to_matmul_dtype(drafter: Eagle3Drafter, precision: str) -> None:
 SOURCES = {"offline": ShardSource, "online": OnlineSource}  # train/data.py: what a source gives the loop
 # how the step is computed, not what it computes: a run may resume with other values (source: its own keys)
 SETTINGS_EXCLUDED = ("source", "log_every", "save_every", "stop_after", "log_samples", "wandb_mode", "wandb_project",
-                     "mixed_precision", "attention", "loss_chunk", "compile", "activation_checkpointing", "tau_every",
-                     "tau_prompts", "tau_new_tokens", "pack_length", "epoch_drafters")
+                     "mixed_precision", "kernels", "tau_every", "tau_prompts", "tau_new_tokens", "epoch_drafters")
 
 
 def training_settings(cfg: RunConfig, source, precision: str) -> dict:
@@ -92,7 +90,8 @@ def training_settings(cfg: RunConfig, source, precision: str) -> dict:
     runs. The world size is not one of them: another number of processes continues the run (train/position.py)."""
     tc = to_dict(cfg.train)
     return {**source.settings(), "seed": cfg.seed, "target.model": cfg.target.model, "precision": precision,
-            **{f"train.{k}": v for k, v in tc.items() if k not in SETTINGS_EXCLUDED}}
+            **{f"train.{k}": v for k, v in tc.items() if k not in SETTINGS_EXCLUDED},
+            "train.kernels.bf16_weights": cfg.train.kernels.bf16_weights}  # the checkpoint's layout
 
 
 def make_accelerator(cfg: RunConfig, train_dir: Path) -> Accelerator:
@@ -133,41 +132,49 @@ def accelerate_launch_processes() -> int:
 FLEX_MIN_HEAD_DIM = 16
 
 
-def step_options(tc, device: torch.device, head_dim: int = FLEX_MIN_HEAD_DIM) -> dict:
-    """train.attention / compile / loss_chunk / activation_checkpointing -> TTTObjective's options (train.pack_length
-    is train/fit.py's: it packs the batch, and TTTObjective reads the packed rows' doc_ids and positions).
-    head_dim: the drafter's; auto on CUDA is flex where its kernels take it, dense below."""
-    cuda = device.type == "cuda"
-    flex_fits = head_dim >= FLEX_MIN_HEAD_DIM
-    attention = ("flex" if cuda and flex_fits else "dense") if tc.attention == "auto" else tc.attention
-    if attention == "flex" and not flex_fits:
-        raise UserError(f"train.attention = flex: its CUDA kernels need a head dim of at least {FLEX_MIN_HEAD_DIM}, "
-                        f"this drafter's is {head_dim}: use train.attention=dense (or auto)")
+def cudnn_takes(head_dim: int) -> bool:
+    """cuDNN's fused attention, forward and backward, takes head dims that are multiples of 8 up to 128."""
+    return head_dim % 8 == 0 and head_dim <= 128
+
+
+def step_options(kernels: TrainKernels, device: torch.device, head_dim: int = FLEX_MIN_HEAD_DIM) -> StepOptions:
+    """train.kernels -> TTTObjective's StepOptions (train.kernels.pack_length is train/fit.py's: it packs the
+    batch, and TTTObjective reads the packed rows' doc_ids and positions). head_dim: the drafter's. auto on CUDA:
+    the K steps as one graph with cuDNN's attention, flex for packed rows or where cuDNN does not take the head
+    dim, dense where flex does not either: the fastest paths measured (docs/PERFORMANCE.md)."""
+    cuda, attention = device.type == "cuda", kernels.attention
+    if attention == "auto":
+        attention = ("dense" if not cuda else "cudnn" if cudnn_takes(head_dim) and not kernels.pack_length
+                     else "flex" if head_dim >= FLEX_MIN_HEAD_DIM else "dense")
+    if attention == "flex" and head_dim < FLEX_MIN_HEAD_DIM:
+        raise UserError(f"train.kernels.attention = flex: its CUDA kernels need a head dim of at least "
+                        f"{FLEX_MIN_HEAD_DIM}, this drafter's is {head_dim}: use train.kernels.attention=dense (or auto)")
     if attention == "flex" and not cuda:
-        raise UserError("train.attention = flex needs a CUDA device (flex attention has no backward on CPU): "
-                        "use train.attention=dense")
-    if attention == "cudnn" and not cuda:
-        raise UserError("train.attention = cudnn needs a CUDA device: use train.attention=dense (or flash)")
-    if attention in KERNELS and tc.pack_length:
-        raise UserError(f"train.attention = {attention} takes one document per row: use train.attention=flex (or "
-                        "dense) with train.pack_length, or set train.pack_length=0")
-    # auto on CUDA = unroll: 1.09-1.23x the per-step graphs' tokens/s and less memory (docs/PERFORMANCE.md)
-    compile = "unroll" if tc.compile == "unroll" or (tc.compile == "auto" and cuda) else tc.compile == "yes"
-    log.info("TTT step: %s attention, fused head loss in chunks of %s rows, compile %s, activation checkpointing %s, "
-             "batches %s%s", attention, tc.loss_chunk or "(off)", compile, tc.activation_checkpointing,
-             f"packed into rows of {tc.pack_length} tokens" if tc.pack_length else "right-padded",
-             "" if compile else ", steps >= 1 on the counted rows only")
+        raise UserError("train.kernels.attention = flex needs a CUDA device (flex attention has no backward on CPU): "
+                        "use train.kernels.attention=dense")
+    if attention == "cudnn" and kernels.pack_length:
+        raise UserError("train.kernels.attention = cudnn takes one document per row: use flex (or dense) with "
+                        "train.kernels.pack_length, or set train.kernels.pack_length=0")
+    if attention == "cudnn" and cuda and not cudnn_takes(head_dim):
+        raise UserError(f"train.kernels.attention = cudnn: cuDNN takes head dims that are multiples of 8 up to 128, "
+                        f"this drafter's is {head_dim}: use train.kernels.attention=flex (or auto)")
+    unroll = kernels.compile == "unroll" or (kernels.compile == "auto" and cuda)
+    log.info("TTT step: %s attention, fused head loss in chunks of %s rows, %s, activation checkpointing %s, "
+             "batches %s%s", attention, kernels.loss_chunk or "(off)", "one compiled graph" if unroll else "eager",
+             kernels.activation_checkpointing,
+             f"packed into rows of {kernels.pack_length} tokens" if kernels.pack_length else "right-padded",
+             "" if unroll else ", steps >= 1 on the counted rows only")
     # eager steps skip the rows no later step counts (~1/3 less compute on the demo); graphs keep static shapes
-    return {"attention": attention, "loss_chunk": tc.loss_chunk, "compile": compile,
-            "checkpoint": tc.activation_checkpointing, "prune_rows": not compile}
+    return StepOptions("merged" if attention == "cudnn" else attention, kernels.loss_chunk,
+                       kernels.activation_checkpointing, unroll, prune_rows=not unroll)
 
 
-def make_optimizer(params: list[torch.Tensor], tc) -> torch.optim.Optimizer:
-    """AdamW over the trainable weights: they are the fp32 masters, or (train.bf16_weights) bf16 weights whose
+def make_optimizer(params: list[torch.Tensor], tc: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable weights: they are the fp32 masters, or (train.kernels.bf16_weights) bf16 weights whose
     masters the optimizer keeps (bench/bench_train_step.py --with-optimizer times the same one). Fused (one
     kernel over all weights) where torch has it: the demo drafter's 7.1M weights step in ~2 ms on 2 CPU cores
     against 6-15 ms for the default foreach loop (~10 ms of a ~200 ms demo step), the same values to 5e-8."""
-    optimizer = MasterWeightAdamW if tc.bf16_weights else torch.optim.AdamW
+    optimizer = MasterWeightAdamW if tc.kernels.bf16_weights else torch.optim.AdamW
     fused = all(p.device.type in ("cpu", "cuda") for p in params)
     return optimizer(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay, fused=fused)
 
@@ -220,16 +227,20 @@ def main(cfg: RunConfig, fresh: bool = False) -> Path:
         return train(cfg, accelerator, train_dir, fresh)
 
 
+def check_weight_precision(kernels: TrainKernels, accelerator: Accelerator) -> None:
+    if kernels.bf16_weights and accelerator.mixed_precision != "bf16":
+        raise UserError(f"train.kernels.bf16_weights = true needs bf16 training: train.mixed_precision resolved to "
+                        f"{accelerator.mixed_precision!r} here; set train.mixed_precision=bf16 or "
+                        "train.kernels.bf16_weights=false")
+    if kernels.bf16_weights and accelerator.state.deepspeed_plugin is not None:
+        raise UserError("train.kernels.bf16_weights = true: DeepSpeed keeps its own fp32 masters of bf16 weights; "
+                        "set train.kernels.bf16_weights=false under DeepSpeed")
+
+
 def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool) -> Path:
     tc = cfg.train
-    out, precision = cfg.run_path / "drafter", accelerator.mixed_precision
     check_draft_vocab_size(tc.draft_vocab_size, target_info(cfg).vocab_size)  # before any manifest is written
-    if tc.bf16_weights and precision != "bf16":
-        raise UserError(f"train.bf16_weights = true needs bf16 training: train.mixed_precision resolved to "
-                        f"{precision!r} here; set train.mixed_precision=bf16 or train.bf16_weights=false")
-    if tc.bf16_weights and accelerator.state.deepspeed_plugin is not None:
-        raise UserError("train.bf16_weights = true: DeepSpeed keeps its own fp32 masters of bf16 weights; "
-                        "set train.bf16_weights=false under DeepSpeed")
+    check_weight_precision(tc.kernels, accelerator)
     source = SOURCES[tc.source](cfg, accelerator.device)
     settings, runtime = open_run(cfg, accelerator, source, fresh)
     accelerator.wait_for_everyone()
@@ -241,35 +252,16 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     log.info("%d samples / %d tokens (train.source=%s); draft vocab %d covers %.2f%% of assistant tokens",
              len(source.ids), source.num_tokens(), tc.source, draft_ids.numel(), 100 * coverage)
     drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target)
-    # per aux feature: the raw RMS is train.aux_noise's unit; the preconditioner is fc's input's (core/drafter.py)
-    raw_rms, fc_input_rms = aux_rms(source.aux_samples(), str(source.dir), drafter.input_norm)
-    with torch.no_grad():
-        drafter.aux_scale.copy_(fc_input_rms)
-    frozen_to_matmul_dtype(drafter, precision)
-    if tc.bf16_weights:
-        weights_to_bf16(drafter)
-    raw_rms = raw_rms.to(accelerator.device)
-    matmul_dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # bf16 is ~2.7x faster where native
-    ds = source.dataset(target, matmul_dtype, tc.loss_on_prompt)
-    draft_head = target.lm_head[draft_ids].to(accelerator.device, matmul_dtype)  # [Vd,H]: the teacher's rows
-    t2d_dev = t2d.to(accelerator.device)
-    options = step_options(tc, accelerator.device, drafter.config.head_dim)
-    if options["attention"] in KERNELS:  # its gradients against the dense path's, on this device
-        check_flash(accelerator.device, options["attention"])
-    objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, **options)
-    params = [p for p in objective.parameters() if p.requires_grad]
-    opt = make_optimizer(params, tc)
+    head = ready_drafter(cfg, accelerator, drafter, source, target.lm_head[draft_ids], t2d)
+    ds = source.dataset(target, head.draft_head.dtype, tc.loss_on_prompt)
+    options = step_options(tc.kernels, accelerator.device, drafter.config.head_dim)
+    if options.attention == "merged":  # its gradients against the dense path's, on this device
+        check_merged_attention(accelerator.device)
+    objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, options)
+    opt = make_optimizer([p for p in objective.parameters() if p.requires_grad], tc)
     ckpt_root = train_dir / "checkpoints"
     latest = read_latest(accelerator, ckpt_root)
-    world = accelerator.num_processes
-    step_batches = latest["step_batches"] if latest else world * tc.grad_accum  # the run's batches per step
-    accelerator.gradient_accumulation_steps = accum = accum_for(step_batches, world)
-    if accum * world != step_batches:
-        log.warning("this run's optimizer steps take %d batches, which %d processes cannot split: a step takes %d "
-                    "(grad_accum %d) and the learning-rate schedule continues by samples", step_batches, world,
-                    accum * world, accum)
-    if accelerator.state.deepspeed_plugin is not None:  # "auto" needs a prepared loader; ours are per epoch
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.batch_size
+    step_batches, accum = batches_per_step(accelerator, latest, tc)
     objective, opt = accelerator.prepare(objective, opt)
     step, epoch, epoch_samples = 0, 0, 0
     logs = [train_dir / "metrics.jsonl", train_dir / "samples.jsonl"]
@@ -281,7 +273,6 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     if tc.wandb_mode != "disabled":  # the mode travels with the run, not through a process-wide env var
         accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg), init_kwargs={
             "wandb": {"dir": str(train_dir), "name": cfg.name, "mode": tc.wandb_mode}})
-    probe = TauProbe(cfg, source.model if tc.source == "online" and tc.tau_every else None)  # one target copy
     records = {COUNTS_FILE: counts_record(draft_ids, counts[draft_ids], "assistant tokens of the training samples"),
                trained_prompts.FILE: trained_prompts.record(prompts)}
 
@@ -289,8 +280,9 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
         export(cfg, accelerator.unwrap_model(objective).drafter, source, step, coverage, settings, runtime,
                records, epoch)
 
-    f = Fit(cfg, accelerator, objective, opt, source, ds, probe, (draft_head, t2d_dev, raw_rms), train_dir,
-            step_batches, accum, export_at)
+    probe = TauProbe(cfg, source.model if tc.source == "online" and tc.tau_every else None)  # one target copy
+    f = Fit(cfg=cfg, accelerator=accelerator, objective=objective, opt=opt, source=source, ds=ds, probe=probe,
+            head=head, train_dir=train_dir, step_batches=step_batches, accum=accum, export=export_at)
     step, stopped = fit(f, step, epoch, epoch_samples)
     accelerator.end_training()
     if stopped:
@@ -298,4 +290,35 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
                  "on any number of processes", tc.stop_after, step)
     elif accelerator.is_main_process:
         export_at(step)
-    return out
+    return cfg.run_path / "drafter"
+
+
+def ready_drafter(cfg: RunConfig, accelerator: Accelerator, drafter: Eagle3Drafter, source, draft_rows: torch.Tensor,
+                  t2d: torch.Tensor) -> TeacherHead:
+    """The drafter's aux preconditioner from the data, its weights in the precision they train in; -> the
+    teacher's head on the device. draft_rows [Vd,H]: the target lm_head's rows of the draft vocab."""
+    # per aux feature: the raw RMS is train.aux_noise's unit; the preconditioner is fc's input's (core/drafter.py)
+    raw_rms, fc_input_rms = aux_rms(source.aux_samples(), str(source.dir), drafter.input_norm)
+    with torch.no_grad():
+        drafter.aux_scale.copy_(fc_input_rms)
+    precision = accelerator.mixed_precision
+    frozen_to_matmul_dtype(drafter, precision)
+    if cfg.train.kernels.bf16_weights:
+        weights_to_bf16(drafter)
+    matmul_dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # bf16 is ~2.7x faster where native
+    device = accelerator.device
+    return TeacherHead(draft_rows.to(device, matmul_dtype), t2d.to(device), raw_rms.to(device))
+
+
+def batches_per_step(accelerator: Accelerator, latest: dict | None, tc: TrainConfig) -> tuple[int, int]:
+    """-> (the run's batches per optimizer step, fixed at its first launch; this launch's micro-batches per rank)."""
+    world = accelerator.num_processes
+    step_batches = latest["step_batches"] if latest else world * tc.grad_accum
+    accelerator.gradient_accumulation_steps = accum = accum_for(step_batches, world)
+    if accum * world != step_batches:
+        log.warning("this run's optimizer steps take %d batches, which %d processes cannot split: a step takes %d "
+                    "(grad_accum %d) and the learning-rate schedule continues by samples", step_batches, world,
+                    accum * world, accum)
+    if accelerator.state.deepspeed_plugin is not None:  # "auto" needs a prepared loader; ours are per epoch
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.batch_size
+    return step_batches, accum

@@ -1,4 +1,4 @@
-"""train.bf16_weights: the trainable weights in bf16, their fp32 masters in the optimizer.
+"""train.kernels.bf16_weights: the trainable weights in bf16, their fp32 masters in the optimizer.
 
 Why: under Accelerate's bf16 autocast the weights are fp32 (4 bytes), their gradients fp32 (4) and autocast
 keeps a bf16 copy of each for the backward (2). With bf16 weights the step holds 2 + 2 and no copies; the

@@ -1,4 +1,4 @@
-"""Sequence packing (train.pack_length): a right-padded batch -> rows of exactly pack_length tokens holding
+"""Sequence packing (train.kernels.pack_length): a right-padded batch -> rows of exactly pack_length tokens holding
 several documents each: little padding, and torch.compile sees one row length (only the row count varies)
 instead of every batch's padded length. train/fit.py packs each batch after its source completed it;
 ttt_loss keeps the documents apart (doc_ids, positions), so a packed batch trains what the padded one does.
@@ -17,8 +17,8 @@ def next_fit(lengths: list[int], pack_length: int) -> list[tuple[int, int, int, 
     places, row, used, doc = [], 0, 0, 0
     for n in lengths:
         if n > pack_length:
-            raise UserError(f"a sample of {n} tokens does not fit train.pack_length = {pack_length}: set "
-                            f"train.pack_length >= train.max_len")
+            raise UserError(f"a sample of {n} tokens does not fit train.kernels.pack_length = {pack_length}: set "
+                            f"train.kernels.pack_length >= train.max_len")
         if used + n > pack_length:
             row, used, doc = row + 1, 0, 0
         places.append((row, used, doc, n))

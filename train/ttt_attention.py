@@ -8,13 +8,11 @@ Three implementations of one function (train/ttt_loss.py's docstring gives the a
   mask that visits only the causal blocks of step 0 and one diagonal block per later step. No [T,T]
   matrix exists, so memory is linear in T; the kernel is compiled (CUDA). Sequences are padded to
   whole blocks (`padded_length`): each step's keys then start on a block boundary.
-- `merged_ttt_attention`: a causal FlashAttention kernel over step 0's keys (its log-sum-exp kept) and
-  the k diagonal terms, one score per row each, merged by log-sum-exp. The backward hands the kernel the
-  merged output and log-sum-exp, so its P = exp(S - lse) are already the joint softmax's and no gradient
-  through the kernel's own log-sum-exp is needed. Kernels on CUDA (bf16/fp16): FlashAttention-2
-  (train.attention=flash) or cuDNN's fused attention (train.attention=cudnn: faster than flex on Hopper GPUs,
-  docs/PERFORMANCE.md); PyTorch's CPU flash kernel on CPU (any float: the tests'
-  path). One document per row (no packing).
+- `merged_ttt_attention` (train.kernels.attention=cudnn): a causal fused-attention kernel over step 0's keys
+  (its log-sum-exp kept) and the k diagonal terms, one score per row each, merged by log-sum-exp. The backward
+  hands the kernel the merged output and log-sum-exp, so its P = exp(S - lse) are already the joint softmax's
+  and no gradient through the kernel's own log-sum-exp is needed. The kernel: cuDNN's fused attention on CUDA
+  (bf16/fp16), PyTorch's CPU flash kernel on CPU (any float: the tests' path). One document per row.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import functools
 import torch
 
 BLOCK = 128  # flex attention's default block size
-KERNELS = ("flash", "cudnn")  # merged_ttt_attention's causal kernels on CUDA
 
 
 def dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -112,12 +109,12 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _causal_kernel(device_type: str, kernel: str = "flash"):
+def _causal_kernel(device_type: str):
     """-> (forward(q, k, v, scale) -> (out, lse [B,nh,T] fp32, state), backward(dout, q, k, v, out, lse, state,
     scale) -> (dq, dk, dv), grouped): a causal kernel whose backward takes any (out, lse) pair; grouped: it reads
-    k/v with fewer heads than q (GQA) itself, so they need no copy per query head. kernel (CUDA): "flash"
-    (FlashAttention-2) or "cudnn" (cuDNN's fused attention: its log-sum-exp is [B,nh,T,1], natural log; GQA
-    native, which saves four [B,nh,T,d] copies and two head sums per step)."""
+    k/v with fewer heads than q (GQA) itself, so they need no copy per query head. CUDA: cuDNN's fused attention
+    (its log-sum-exp is [B,nh,T,1], natural log; GQA native, which saves four [B,nh,T,d] copies and two head sums
+    per step); CPU: PyTorch's flash kernel."""
     aten = torch.ops.aten
     if device_type == "cpu":
         def forward(q, k, v, scale):
@@ -128,27 +125,17 @@ def _causal_kernel(device_type: str, kernel: str = "flash"):
             return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, True,
                                                                              scale=scale)
         return forward, backward, False
-    if kernel == "cudnn":
-        def forward(q, k, v, scale):  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset, debug)
-            r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
-            return r[0], r[1].squeeze(-1), r[2:8]
 
-        def backward(dout, q, k, v, out, lse, state, scale):
-            cum_q, cum_k, max_q, max_k, seed, offset = state
-            return aten._scaled_dot_product_cudnn_attention_backward(
-                dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k,
-                0.0, True, scale=scale)
-        return forward, backward, True
-
-    def forward(q, k, v, scale):  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug)
-        r = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
-        return r[0], r[1], r[2:8]
+    def forward(q, k, v, scale):  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset, debug)
+        r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+        return r[0], r[1].squeeze(-1), r[2:8]
 
     def backward(dout, q, k, v, out, lse, state, scale):
-        cum_q, cum_k, max_q, max_k, rng_state, unused = state
-        return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
-                                                                 0.0, True, rng_state, unused, scale=scale)
-    return forward, backward, False
+        cum_q, cum_k, max_q, max_k, seed, offset = state
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k,
+            0.0, True, scale=scale)
+    return forward, backward, True
 
 
 def _expand(x: torch.Tensor, rep: int) -> torch.Tensor:
@@ -209,18 +196,18 @@ def compiled(fn, dynamic: bool | None = None):
 
 class _MergedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, kernel, q, *kv):
+    def forward(ctx, q, *kv):
         """q [B,nh,T,d]; kv = k_0..k_s, v_0..v_s (each [B,nkv,T,d]) -> [B,nh,T,d]."""
         n = len(kv) // 2
         keys, values = kv[:n], kv[n:]
         rep, scale = q.shape[1] // keys[0].shape[1], q.shape[-1] ** -0.5
-        fwd, _, grouped = _causal_kernel(q.device.type, kernel)
+        fwd, _, grouped = _causal_kernel(q.device.type)
         rep = 1 if grouped else rep  # the kernel's own GQA: k/v as they are
         out0, lse0, state = fwd(q, _expand(keys[0], rep), _expand(values[0], rep), scale)
         merge = compiled(merge_diagonal, dynamic=False) if q.is_cuda else merge_diagonal
         out, lse = merge(q, out0, lse0, tuple(keys[1:]), tuple(values[1:]))
         ctx.save_for_backward(q, out, lse, *kv)
-        ctx.state, ctx.rep, ctx.scale, ctx.kernel = state, rep, scale, kernel
+        ctx.state, ctx.rep, ctx.scale = state, rep, scale
         return out
 
     @staticmethod
@@ -229,7 +216,7 @@ class _MergedAttention(torch.autograd.Function):
         n = len(kv) // 2
         keys, values = kv[:n], kv[n:]
         rep, scale = ctx.rep, ctx.scale
-        _, bwd, _ = _causal_kernel(q.device.type, ctx.kernel)
+        _, bwd, _ = _causal_kernel(q.device.type)
         dout = dout.contiguous()
         dq, dk0, dv0 = bwd(dout, q, _expand(keys[0], rep), _expand(values[0], rep), out, lse, ctx.state, scale)
         dkeys, dvalues = [_fold(dk0, rep)], [_fold(dv0, rep)]
@@ -237,16 +224,13 @@ class _MergedAttention(torch.autograd.Function):
             grads = compiled(diagonal_grads, dynamic=False) if q.is_cuda else diagonal_grads
             dq_diag, dk, dv = grads(q, out, lse, dout, tuple(keys[1:]), tuple(values[1:]))
             dq, dkeys, dvalues = (dq.float() + dq_diag).to(q.dtype), dkeys + list(dk), dvalues + list(dv)
-        return None, dq, *dkeys, *dvalues
+        return dq, *dkeys, *dvalues
 
 
-def merged_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                         kernel: str = "flash") -> torch.Tensor:
-    """`dense_ttt_attention` without doc_ids, any T, through a causal flash kernel plus the diagonal terms.
-    Inputs made contiguous first: on a GPU, q/k/v as the step makes them (transposed [B,T,n,d] views) gave
-    outputs and gradients far off from step 2 on, contiguous copies bf16 rounding (docs/PERFORMANCE.md).
-    torch.compile traces it (the autograd.Function and its kernels) into the step's graph: train.compile=unroll
-    stays one graph with it. kernel: CUDA's causal kernel, "flash" or "cudnn" (CPU has one: PyTorch's flash)."""
-    if kernel not in KERNELS:  # a misspelt name must not silently measure or train on the flash kernel
-        raise ValueError(f"merged_ttt_attention: kernel {kernel!r} is not one of {KERNELS}")
-    return _MergedAttention.apply(kernel, q.contiguous(), *(k.contiguous() for k in keys), *(v.contiguous() for v in values))
+def merged_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """`dense_ttt_attention` without doc_ids, any T, through a causal fused kernel plus the diagonal terms.
+    Inputs made contiguous first: on a GPU a fused kernel handed q/k/v as the step makes them (transposed
+    [B,T,n,d] views) gave outputs and gradients far off from step 2 on; contiguous copies give bf16 rounding.
+    torch.compile traces it (the autograd.Function and its kernels) into the step's graph: the unroll stays one
+    graph with it."""
+    return _MergedAttention.apply(q.contiguous(), *(k.contiguous() for k in keys), *(v.contiguous() for v in values))

@@ -8,13 +8,14 @@ learns the target's distribution at position t+k+1 (which predicts x[t+k+2]); th
 where x[t+k+2] is an assistant token and the target's argmax lies in the draft vocab.
 Attention at step k: causal over step-0 keys (positions <= t) plus the same-position keys of steps
 1..k (the "diagonal"), exactly what a decode-time KV cache holds while drafting from t.
-Packed rows (train.pack_length, train/packing.py) hold several documents: positions restart in each, step-0
+Packed rows (train.kernels.pack_length, train/packing.py) hold several documents: positions restart in each, step-0
 keys, counted rows and teacher rows stay inside the query's document, so each trains as it would alone.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,6 @@ from core.drafter import Eagle3Drafter
 from core.hidden_shards import teacher_positions
 from train.draft_head_loss import draft_head_loss
 from train.ttt_attention import (
-    KERNELS,
     compiled,
     dense_ttt_attention,
     flex_ttt_attention,
@@ -77,22 +77,57 @@ def pad_to(x: torch.Tensor, t: int) -> torch.Tensor:
     return x if x.shape[1] == t else torch.cat([x, x.new_zeros(x.shape[0], t - x.shape[1], *x.shape[2:])], 1)
 
 
-def ttt_step(drafter: Eagle3Drafter, hidden, token_qkv, positions, keys, values, attention, block_mask, doc_ids):
+class StepOptions(NamedTuple):
+    """How TTTObjective computes the step (train.kernels, resolved by train/loop.py's `step_options`): each one
+    the same loss and gradients. attention: dense | flex | merged (train/ttt_attention.py); loss_chunk: rows per
+    chunk of the fused head loss (0: plain autograd; train/draft_head_loss.py); checkpoint: recompute each step's
+    layer in the backward instead of keeping its activations; unroll: all K steps as one torch.compile graph
+    (autocast's weight casts once, not K times; the K gradients of each weight summed inside it); prune_rows
+    (eager only: compiled graphs want static shapes): steps >= 1 run only on the rows that they or a later step
+    count (`ttt_step_rows`), step 0's o_proj and MLP only on the rows some step counts (`ttt_first_step_rows`)."""
+    attention: str = "dense"
+    loss_chunk: int = 0
+    checkpoint: bool = False
+    unroll: bool = False
+    prune_rows: bool = False
+
+
+REFERENCE = StepOptions()  # dense attention, plain autograd head loss, eager steps: what the tests hold the rest to
+
+
+class StepMask(NamedTuple):
+    """What one step's attention needs besides q, k, v: the implementation, flex's block mask (None for the
+    others) and packed rows' doc ids [B,T] (None: one document per row); dense reads doc_ids, flex its mask."""
+    attention: str
+    block_mask: object
+    doc_ids: torch.Tensor | None
+
+
+class Rows(NamedTuple):
+    """A batch as the TTT loss reads it: aux [B,T,3H], input_ids and loss_mask [B,T]; packed rows
+    (train/packing.py) add doc_ids (each token's document, -1 on padding) and positions (in its document)."""
+    aux: torch.Tensor
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    doc_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
+def ttt_step(drafter: Eagle3Drafter, hidden, token_qkv, positions, keys, values, mask: StepMask):
     """One unrolled step: -> (h2 [B,T,H], this step's k, v). token_qkv: this step's tokens' share of q, k, v
-    (`Eagle3Drafter.token_qkv`); keys/values: the earlier steps'. Dense attention reads doc_ids; flex reads
-    them from its block mask; flash and cudnn take no packed rows."""
+    (`Eagle3Drafter.token_qkv`); keys/values: the earlier steps'."""
     q, k, v, residual = drafter.qkv(hidden, None, positions, token_qkv)
-    attn = ttt_attention(q, [*keys, k], [*values, v], attention, block_mask, doc_ids)
+    attn = ttt_attention(q, [*keys, k], [*values, v], mask)
     return drafter.finish(attn, residual), k, v
 
 
-def ttt_attention(q, keys, values, attention, block_mask, doc_ids):
+def ttt_attention(q, keys, values, mask: StepMask):
     """The step's attention [B,nh,T,d] through the chosen implementation (train/ttt_attention.py)."""
-    if attention == "flex":
-        return flex_ttt_attention(q, keys, values, block_mask)
-    if attention in KERNELS:
-        return merged_ttt_attention(q, keys, values, attention)
-    return dense_ttt_attention(q, keys, values, doc_ids)
+    if mask.attention == "flex":
+        return flex_ttt_attention(q, keys, values, mask.block_mask)
+    if mask.attention == "merged":
+        return merged_ttt_attention(q, keys, values)
+    return dense_ttt_attention(q, keys, values, mask.doc_ids)
 
 
 def attention_rows(attn: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -105,8 +140,7 @@ def scatter_rows(x: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor], b: i
     return x.new_zeros(b, t, *x.shape[1:]).index_put(where, x)
 
 
-def ttt_step_rows(drafter: Eagle3Drafter, hidden, token_qkv, positions, keys, values, attention, block_mask, doc_ids,
-                  where):
+def ttt_step_rows(drafter: Eagle3Drafter, hidden, token_qkv, positions, keys, values, mask: StepMask, where):
     """`ttt_step` on the rows where = (bi, ti) only: hidden [N,H], token_qkv [N,...] and positions [N] -> (h2
     [N,H], this step's k, v as [B,nkv,T,d], zeros outside those rows). Exact for those rows: at steps >= 1 a
     row attends to step 0's keys and to its own earlier steps' keys, never to another row of a later step.
@@ -118,7 +152,7 @@ def ttt_step_rows(drafter: Eagle3Drafter, hidden, token_qkv, positions, keys, va
         return scatter_rows(x[0].transpose(0, 1), where, b, t).transpose(1, 2)
 
     k, v = full(k), full(v)
-    attn = ttt_attention(full(q), [*keys, k], [*values, v], attention, block_mask, doc_ids)
+    attn = ttt_attention(full(q), [*keys, k], [*values, v], mask)
     return drafter.finish(attention_rows(attn, where), residual)[0], k, v
 
 
@@ -127,26 +161,25 @@ def _block_mask(t: int, steps: int, device: torch.device):
     return ttt_block_mask(t, steps, device)
 
 
-def ttt_first_step_rows(drafter: Eagle3Drafter, hidden, token_qkv, positions, keys, values, attention, block_mask,
-                        doc_ids, where):
+def ttt_first_step_rows(drafter: Eagle3Drafter, hidden, token_qkv, positions, keys, values, mask: StepMask, where):
     """Step 0 with its o_proj and MLP on the rows where = (bi, ti) that some step counts: -> (h2 [B,T,H], zeros
     elsewhere; k, v of every row). Exact for those rows: the other rows (a chat sample's prompt, about half
     of it) are read only as keys and values, which every row still gets, and nothing reads their h2."""
     q, k, v, residual = drafter.qkv(hidden, None, positions, token_qkv)
-    attn = ttt_attention(q, [*keys, k], [*values, v], attention, block_mask, doc_ids)
+    attn = ttt_attention(q, [*keys, k], [*values, v], mask)
     h2 = drafter.finish(attention_rows(attn, where), residual[where][None])[0]
     return scatter_rows(h2, where, *residual.shape[:2]), k, v
 
 
-def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, steps: int, attention: str, block_masks: tuple,
-               doc_ids, checkpoint: bool, step_fn=ttt_step, active: tuple | None = None) -> list[torch.Tensor]:
-    """The K steps, each on the previous one's output -> each step's norm(h2) [B,T,H], the lm_head's input:
+def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, masks: tuple[StepMask, ...], checkpoint: bool,
+               active: tuple | None = None) -> list[torch.Tensor]:
+    """The K = len(masks) steps, each on the previous one's output -> each step's norm(h2) [B,T,H], the lm_head's input:
     normed inside the unroll, so a compiled unroll fuses the norm (forward and backward) into its own kernels
     instead of running it eagerly on the gathered rows. active: None, or per step k the rows (bi, ti)
     that step k or a later one counts: steps >= 1 run on those rows only (zeros elsewhere in their h2),
     `ttt_step_rows`; step 0 still gives every row's keys and values, `ttt_first_step_rows`."""
     hidden, keys, values, hiddens = aux, [], [], []
-    b, t = input_ids.shape
+    (b, t), steps = input_ids.shape, len(masks)
     # step k reads token x[t+k+1] at row t (shift_left(input_ids, k + 1)): one projection of x[1:] padded by
     # K zeros serves every step as rows k..k+T of it
     all_steps = drafter.token_qkv(F.pad(input_ids[:, 1:], (0, steps)))
@@ -157,8 +190,8 @@ def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, steps: int, at
         if gathered:
             hidden, token_qkv, pos = hidden[rows[0]], tuple(y[rows[0]] for y in token_qkv), pos[rows[0]]
         # tuples: a checkpoint's recompute must see the keys as they were, not the grown list
-        args = (drafter, hidden, token_qkv, pos, tuple(keys), tuple(values), attention, block_masks[k], doc_ids, *rows)
-        fn = (ttt_step_rows if k else ttt_first_step_rows) if rows else step_fn
+        args = (drafter, hidden, token_qkv, pos, tuple(keys), tuple(values), masks[k], *rows)
+        fn = (ttt_step_rows if k else ttt_first_step_rows) if rows else ttt_step
         if checkpoint:
             hidden, kk, vv = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
         else:
@@ -187,56 +220,45 @@ def later_rows(masks: list[torch.Tensor]) -> tuple:
     return tuple(rows)
 
 
-def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-             teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor], steps: int, decay: float,
-             attention: str = "dense", loss_chunk: int = 0, checkpoint: bool = False, compile: bool | str = False,
-             doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None, prune_rows: bool = False):
+def ttt_loss(drafter: Eagle3Drafter, rows: Rows, teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+             steps: int, decay: float, options: StepOptions = REFERENCE):
     """-> (weighted loss, per-step sums {"loss_sum", "correct", "count"}: [K] tensors, detached, not
-    synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`).
-    attention: "dense" | "flex" | "flash" | "cudnn" (train/ttt_attention.py); loss_chunk: rows per chunk of the fused
-    head loss (0: plain autograd; train/draft_head_loss.py); checkpoint: recompute each step's layer in the
-    backward instead of keeping its activations; compile: True: the step's layer through torch.compile (fuses
-    norms, RoPE, SiLU, softmaxes), one graph per step; "unroll": all K steps as one graph (autocast's weight
-    casts once, not K times; the K gradients of each weight summed inside it).
-    doc_ids, positions [B,T]: packed rows (train/packing.py): each token's document in its row (-1 on padding)
-    and its position in that document. prune_rows (eager only: compiled graphs want static shapes): steps >= 1
-    run only on the rows that they or a later step count (`ttt_step_rows`), step 0's o_proj and MLP only on
-    the rows some step counts (`ttt_first_step_rows`); the same loss and gradients."""
+    synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`). teacher:
+    `teacher_targets`' (p, top, in_vocab); options: `StepOptions`."""
     p, top, in_vocab = teacher
-    b, t = input_ids.shape
+    b, t = rows.input_ids.shape
+    attention = options.attention
     tp = padded_length(t) if attention == "flex" else t  # padded rows count nowhere (loss mask 0)
-    aux, input_ids, loss_mask, in_vocab = (pad_to(x, tp) for x in (aux, input_ids, loss_mask, in_vocab))
-    if positions is None:
-        positions = torch.arange(tp, device=aux.device)[None].expand(b, tp)
-    else:
-        positions = pad_to(positions, tp)
+    aux, input_ids, loss_mask, in_vocab = (pad_to(x, tp) for x in (rows.aux, rows.input_ids, rows.loss_mask, in_vocab))
+    positions = (torch.arange(tp, device=aux.device)[None].expand(b, tp) if rows.positions is None
+                 else pad_to(rows.positions, tp))
+    doc_ids = rows.doc_ids
     if doc_ids is not None:
-        if attention in KERNELS:
-            raise ValueError(f"{attention} TTT attention takes one document per row, not packed rows")
+        if attention == "merged":
+            raise ValueError("merged TTT attention takes one document per row, not packed rows")
         doc_ids = F.pad(doc_ids, (0, tp - t), value=-1)  # flex's block padding: one more run of padding
     masks = [counted(loss_mask, in_vocab, doc_ids, k) for k in range(steps)]  # [B,T]
     block_masks = [None] * steps
     if attention == "flex":  # without documents the masks depend on the length only: built once per length
         block_masks = [ttt_block_mask(tp, k + 1, aux.device, doc_ids) if doc_ids is not None else
                        _block_mask(tp, k + 1, aux.device) for k in range(steps)]
-    args = (drafter, aux, input_ids, positions, steps, attention, tuple(block_masks), doc_ids, checkpoint)
-    if compile == "unroll":
-        hiddens = compiled(ttt_unroll)(*args)
-    elif compile:
-        hiddens = ttt_unroll(*args, step_fn=compiled(ttt_step))
+    step_masks = tuple(StepMask(attention, m, doc_ids) for m in block_masks)
+    if options.unroll:
+        hiddens = compiled(ttt_unroll)(drafter, aux, input_ids, positions, step_masks, options.checkpoint)
     else:
-        hiddens = ttt_unroll(*args, active=later_rows(masks) if prune_rows else None)
+        active = later_rows(masks) if options.prune_rows else None
+        hiddens = ttt_unroll(drafter, aux, input_ids, positions, step_masks, options.checkpoint, active)
     # the rows that count, once the unroll is queued: nonzero waits for the device, which now has work meanwhile
     where = [m.nonzero(as_tuple=True) for m in masks]
-    xs, rows = [], []
+    xs, teacher_rows = [], []
     for k, normed in enumerate(hiddens):
         bi, ti = where[k]
         xs.append(normed[bi, ti])  # [n_k,H]: the rows that count
-        rows.append(bi * t + ti + k + 1)  # their teacher: the target's distribution at t+k+1
+        teacher_rows.append(bi * t + ti + k + 1)  # their teacher: the target's distribution at t+k+1
     counts = torch.stack([m.sum() for m in masks])
     scales = decay ** torch.arange(steps, device=aux.device) / counts.clamp(min=1)
-    total, loss_sums, correct = draft_head_loss(xs, drafter.lm_head.weight, p.flatten(0, 1), top.flatten(), rows,
-                                                scales, loss_chunk)
+    total, loss_sums, correct = draft_head_loss(xs, drafter.lm_head.weight, p.flatten(0, 1), top.flatten(),
+                                                teacher_rows, scales, options.loss_chunk)
     return total, {"loss_sum": loss_sums, "correct": correct.float(), "count": counts.float()}
 
 
@@ -254,13 +276,10 @@ def step_metrics(sums: dict[str, torch.Tensor], decay: float) -> dict[str, float
 class TTTObjective(torch.nn.Module):
     """The drafter plus its TTT unroll as one forward, so DDP / DeepSpeed wrap the whole step."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, attention: str = "dense",
-                 loss_chunk: int = 0, checkpoint: bool = False, compile: bool | str = False, prune_rows: bool = False):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, options: StepOptions = REFERENCE):
         super().__init__()
-        self.drafter, self.steps, self.decay = drafter, steps, decay
-        self.options = {"attention": attention, "loss_chunk": loss_chunk, "checkpoint": checkpoint,
-                        "compile": compile, "prune_rows": prune_rows}
+        self.drafter, self.steps, self.decay, self.options = drafter, steps, decay, options
 
     def forward(self, aux, input_ids, loss_mask, teacher, doc_ids=None, positions=None):
-        return ttt_loss(self.drafter, aux, input_ids, loss_mask, teacher, self.steps, self.decay, **self.options,
-                        doc_ids=doc_ids, positions=positions)
+        return ttt_loss(self.drafter, Rows(aux, input_ids, loss_mask, doc_ids, positions), teacher, self.steps,
+                        self.decay, self.options)

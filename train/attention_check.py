@@ -1,8 +1,8 @@
-"""train.attention=flash (or cudnn) checks itself on the device before a run trains with it.
+"""train.kernels.attention=cudnn checks itself on the device before a run trains with it.
 
-Why: on a GPU the flash TTT attention once gave every weight's gradient percents off (strided inputs to
-the CUDA kernel) while every CPU test passed (docs/PERFORMANCE.md). A kernel, driver or torch version can
-differ again, and a wrong gradient trains quietly. So train runs one small TTT step with the kernel and with the
+Why: on a GPU a fused-kernel TTT attention once gave every weight's gradient percents off (strided inputs to
+the CUDA kernel) while every CPU test passed. A kernel, driver or torch version can differ again, and a wrong
+gradient trains quietly. So train runs one small TTT step with the kernel and with the
 dense reference path, same weights and batch, under the precision it will train in (bf16 autocast on CUDA),
 and stops with a one-line error if any weight's gradient differs by more than `LIMIT` (~1 s on a GPU,
 ~2 s on a CPU, where it runs in fp32).
@@ -14,14 +14,14 @@ import torch
 
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.errors import UserError
-from train.ttt_loss import teacher_targets, ttt_loss
+from train.ttt_loss import Rows, StepOptions, teacher_targets, ttt_loss
 
 log = logging.getLogger("train")
-LIMIT = 0.03  # bf16 on a GPU: flex and the fixed flash attention stay under 1%, the broken one was far over
+LIMIT = 0.03  # bf16 on a GPU: flex and the merged attention stay under 1%, the broken one was far over
 
 
-def flash_gradient_errors(device: torch.device, kernel: str = "flash") -> dict[str, float]:
-    """-> {parameter: |grad_kernel - grad_dense| / |grad_dense|} for one TTT step (K=4, batch 2 x 300 tokens,
+def merged_gradient_errors(device: torch.device) -> dict[str, float]:
+    """-> {parameter: |grad_merged - grad_dense| / |grad_dense|} for one TTT step (K=4, batch 2 x 300 tokens,
     60% of them in the loss, 4/2 heads of 64) on random O(1) weights. The caller's RNG state is left as it was."""
     c = DrafterConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=64, vocab_size=2048, draft_vocab_size=512, target_hidden_size=256)
@@ -39,22 +39,22 @@ def flash_gradient_errors(device: torch.device, kernel: str = "flash") -> dict[s
             mask = (torch.rand(b, t) < 0.6).to(torch.uint8)
             teacher = teacher_targets(final, mask, torch.randn(512, 256), d.t2d, argmax)
     grads = {}
-    for attention in ("dense", kernel):
+    for attention in ("dense", "merged"):
         d.zero_grad(set_to_none=True)
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            loss, _ = ttt_loss(d, aux, ids, mask, teacher, 4, 0.8, attention=attention)
+            loss, _ = ttt_loss(d, Rows(aux, ids, mask), teacher, 4, 0.8, StepOptions(attention))
         loss.backward()
         grads[attention] = {n: p.grad.float() for n, p in d.named_parameters() if p.grad is not None}
-    return {n: float((grads[kernel][n] - g).norm() / g.norm()) for n, g in grads["dense"].items()}
+    return {n: float((grads["merged"][n] - g).norm() / g.norm()) for n, g in grads["dense"].items()}
 
 
-def check_flash(device: torch.device, kernel: str = "flash") -> None:
-    """Raise UserError if the merged kernel's gradients on `device` are more than LIMIT off the dense path's."""
-    errors = flash_gradient_errors(device, kernel)
+def check_merged_attention(device: torch.device) -> None:
+    """Raise UserError if the merged attention's gradients on `device` are more than LIMIT off the dense path's."""
+    errors = merged_gradient_errors(device)
     worst = max(errors, key=errors.get)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     if errors[worst] > LIMIT:
-        raise UserError(f"train.attention = {kernel}: on this {name} its gradients differ from the dense path's by up to "
-                        f"{errors[worst]:.1%} ({worst}; {LIMIT:.0%} allowed): use train.attention=flex")
-    log.info("train.attention = %s checked on this %s: gradients within %.2f%% of the dense path's (%s)", kernel,
+        raise UserError(f"train.kernels.attention = cudnn: on this {name} its gradients differ from the dense path's "
+                        f"by up to {errors[worst]:.1%} ({worst}; {LIMIT:.0%} allowed): use train.kernels.attention=flex")
+    log.info("train.kernels.attention = cudnn checked on this %s: gradients within %.2f%% of the dense path's (%s)",
              name, 100 * errors[worst], worst)
