@@ -113,7 +113,7 @@ def documents(t: int, b: int, device) -> tuple[dict, float]:
 
 
 def objective_for(d: Eagle3Drafter, device, k_steps: int, kernels: TrainKernels) -> TTTObjective:
-    return TTTObjective(d, k_steps, 0.8, step_options(kernels, device, d.config.head_dim))
+    return TTTObjective(d, k_steps, 0.8, step_options(kernels, device, d.config))
 
 
 def bench(args, s: dict, t: int, variant: str, kernels: TrainKernels, device) -> dict:

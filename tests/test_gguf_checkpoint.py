@@ -46,6 +46,18 @@ def tensor_digests(path: Path) -> dict[str, list]:
             for name, t in load_file(path).items()}
 
 
+def one_thread_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The logits on one thread: bit for bit the same on any machine and load (a matmul's sums split over
+    threads are added in another order when the thread count differs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            return model(ids).logits
+    finally:
+        torch.set_num_threads(before)
+
+
 def build_reference(gguf: Path, out: Path) -> None:
     """transformers' own GGUF load (dequantized to fp32) + save_pretrained into `out`; its 538 MB of weights
     are kept as digests (tensors.json) and as the logits they give on PROMPT (logits.safetensors)."""
@@ -57,9 +69,8 @@ def build_reference(gguf: Path, out: Path) -> None:
                                          quantization_config=GgufConfig(dequantize=True)).save_pretrained(out)
     (out / "tensors.json").write_text(json.dumps(tensor_digests(out / "model.safetensors")))
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ids = AutoTokenizer.from_pretrained(out)(PROMPT, return_tensors="pt")["input_ids"]
-        save_file({"logits": model(ids).logits}, out / "logits.safetensors")
+    ids = AutoTokenizer.from_pretrained(out)(PROMPT, return_tensors="pt")["input_ids"]
+    save_file({"logits": one_thread_logits(model, ids)}, out / "logits.safetensors")
     (out / "model.safetensors").unlink()
 
 
@@ -159,5 +170,4 @@ def test_logits_are_identical(dirs, tokenizers):
 
     ids = tokenizers[0](PROMPT, return_tensors="pt")["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(dirs[1], dtype=torch.float32).eval()
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, load_file(dirs[0] / "logits.safetensors")["logits"])
+    assert torch.equal(one_thread_logits(model, ids), load_file(dirs[0] / "logits.safetensors")["logits"])

@@ -236,32 +236,38 @@ def test_ttt_loss_with_flex_attention_equals_dense(monkeypatch):
 
 
 def test_step_options_name_the_setting_that_cannot_run():
-    """train.kernels -> the step's options: auto picks the fastest path measured for the device and the rows;
-    settings that cannot run stop before any training with the setting's name."""
+    """train.kernels -> the step's options: auto picks the fastest path measured for the device, the drafter and
+    the rows; settings that cannot run stop before any training with the setting's name."""
     from core.config import TrainKernels
     from core.errors import UserError
     from train.loop import step_options
 
+    def dc(hidden=4096, head_dim=128):
+        return DrafterConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=hidden // head_dim,
+                             num_key_value_heads=1, head_dim=head_dim, vocab_size=80, draft_vocab_size=48)
+
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    # the defaults: the plain path on CPU; cuDNN's attention in the K-step unroll on CUDA, flex for packed rows
-    assert step_options(TrainKernels(), cpu) == StepOptions("dense", 8192, False, False, prune_rows=True)
-    assert step_options(TrainKernels(), cuda, head_dim=128) == StepOptions("merged", 8192, False, True, False)
-    assert step_options(TrainKernels(pack_length=4096), cuda, head_dim=128).attention == "flex"
+    # the plain path on CPU and, on CUDA, for a narrow drafter (launch-bound: compiling buys nothing back there)
+    assert step_options(TrainKernels(), cpu, dc()) == StepOptions("dense", 8192, False, False, prune_rows=True)
+    assert step_options(TrainKernels(), cuda, dc(576, 64)) == StepOptions("dense", 8192, False, False, True)
+    # a wide drafter on CUDA: cuDNN's attention in the K-step unroll, flex for packed rows
+    assert step_options(TrainKernels(), cuda, dc()) == StepOptions("merged", 8192, False, True, False)
+    assert step_options(TrainKernels(pack_length=4096), cuda, dc()).attention == "flex"
     # cuDNN takes head dims that are multiples of 8 up to 128; flex's kernels >= 16; below, dense
-    assert step_options(TrainKernels(), cuda, head_dim=112).attention == "merged"
-    assert step_options(TrainKernels(), cuda, head_dim=192).attention == "flex"
-    assert step_options(TrainKernels(), cuda, head_dim=12).attention == "dense"
-    assert step_options(TrainKernels(attention="cudnn"), cpu).attention == "merged"  # the CPU flash kernel runs it
+    assert step_options(TrainKernels(), cuda, dc(7168, 112)).attention == "merged"
+    assert step_options(TrainKernels(), cuda, dc(6144, 192)).attention == "flex"
+    assert step_options(TrainKernels(), cuda, dc(3072, 12)).attention == "dense"
+    assert step_options(TrainKernels(attention="cudnn"), cpu, dc()).attention == "merged"  # the CPU flash kernel
     with pytest.raises(UserError, match="flex: its CUDA kernels need a head dim of at least 16, this drafter's is 8"):
-        step_options(TrainKernels(attention="flex"), cuda, head_dim=8)
+        step_options(TrainKernels(attention="flex"), cuda, dc(4096, 8))
     with pytest.raises(UserError, match="cudnn: cuDNN takes head dims that are multiples of 8 up to 128, this "
                                         "drafter's is 192"):
-        step_options(TrainKernels(attention="cudnn"), cuda, head_dim=192)
+        step_options(TrainKernels(attention="cudnn"), cuda, dc(6144, 192))
     with pytest.raises(UserError, match="train.kernels.attention = cudnn takes one document per row"):
-        step_options(TrainKernels(attention="cudnn", pack_length=4096), cuda)
+        step_options(TrainKernels(attention="cudnn", pack_length=4096), cuda, dc())
     with pytest.raises(UserError, match="train.kernels.attention = flex needs a CUDA device"):
-        step_options(TrainKernels(attention="flex"), cpu)
-    assert step_options(TrainKernels(compile="unroll"), cpu).unroll is True
+        step_options(TrainKernels(attention="flex"), cpu, dc())
+    assert step_options(TrainKernels(compile="unroll"), cpu, dc(576, 64)).unroll is True
     with pytest.raises(UserError, match=re.escape("train.kernels.attention = 'flesh': must be one of 'auto' |")):
         load_config(overrides=["train.kernels.attention=flesh"])
 

@@ -130,6 +130,9 @@ def accelerate_launch_processes() -> int:
 
 # flex attention's CUDA kernels take head dims of at least this (torch 2.11's inductor lowering)
 FLEX_MIN_HEAD_DIM = 16
+# below this drafter width a step is launch-bound: there dense attention in eager steps trained fastest on a GPU
+# (compiled graphs cost their compile time and gained nothing back; docs/PERFORMANCE.md, train)
+COMPILED_MIN_HIDDEN = 2048
 
 
 def cudnn_takes(head_dim: int) -> bool:
@@ -137,15 +140,23 @@ def cudnn_takes(head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= 128
 
 
-def step_options(kernels: TrainKernels, device: torch.device, head_dim: int = FLEX_MIN_HEAD_DIM) -> StepOptions:
-    """train.kernels -> TTTObjective's StepOptions (train.kernels.pack_length is train/fit.py's: it packs the
-    batch, and TTTObjective reads the packed rows' doc_ids and positions). head_dim: the drafter's. auto on CUDA:
-    the K steps as one graph with cuDNN's attention, flex for packed rows or where cuDNN does not take the head
-    dim, dense where flex does not either: the fastest paths measured (docs/PERFORMANCE.md)."""
-    cuda, attention = device.type == "cuda", kernels.attention
-    if attention == "auto":
-        attention = ("dense" if not cuda else "cudnn" if cudnn_takes(head_dim) and not kernels.pack_length
-                     else "flex" if head_dim >= FLEX_MIN_HEAD_DIM else "dense")
+def auto_attention(kernels: TrainKernels, cuda: bool, dc: DrafterConfig) -> str:
+    """train.kernels.attention=auto: dense on CPU and for narrow drafters; on CUDA cuDNN's kernel for right-padded
+    rows, flex for packed rows or where cuDNN does not take the head dim, dense where flex does not either."""
+    if not cuda or dc.hidden_size < COMPILED_MIN_HIDDEN:
+        return "dense"
+    if cudnn_takes(dc.head_dim) and not kernels.pack_length:
+        return "cudnn"
+    return "flex" if dc.head_dim >= FLEX_MIN_HEAD_DIM else "dense"
+
+
+def step_options(kernels: TrainKernels, device: torch.device, dc: DrafterConfig) -> StepOptions:
+    """train.kernels -> TTTObjective's StepOptions for the drafter `dc` on `device` (train.kernels.pack_length is
+    train/fit.py's: it packs the batch, and TTTObjective reads the packed rows' doc_ids and positions). auto picks
+    the fastest paths measured (docs/PERFORMANCE.md): `auto_attention`, and on CUDA the K steps as one compiled
+    graph for drafters of at least COMPILED_MIN_HIDDEN."""
+    cuda, head_dim = device.type == "cuda", dc.head_dim
+    attention = auto_attention(kernels, cuda, dc) if kernels.attention == "auto" else kernels.attention
     if attention == "flex" and head_dim < FLEX_MIN_HEAD_DIM:
         raise UserError(f"train.kernels.attention = flex: its CUDA kernels need a head dim of at least "
                         f"{FLEX_MIN_HEAD_DIM}, this drafter's is {head_dim}: use train.kernels.attention=dense (or auto)")
@@ -158,7 +169,7 @@ def step_options(kernels: TrainKernels, device: torch.device, head_dim: int = FL
     if attention == "cudnn" and cuda and not cudnn_takes(head_dim):
         raise UserError(f"train.kernels.attention = cudnn: cuDNN takes head dims that are multiples of 8 up to 128, "
                         f"this drafter's is {head_dim}: use train.kernels.attention=flex (or auto)")
-    unroll = kernels.compile == "unroll" or (kernels.compile == "auto" and cuda)
+    unroll = kernels.compile == "unroll" or (kernels.compile == "auto" and cuda and dc.hidden_size >= COMPILED_MIN_HIDDEN)
     log.info("TTT step: %s attention, fused head loss in chunks of %s rows, %s, activation checkpointing %s, "
              "batches %s%s", attention, kernels.loss_chunk or "(off)", "one compiled graph" if unroll else "eager",
              kernels.activation_checkpointing,
@@ -254,7 +265,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target)
     head = ready_drafter(cfg, accelerator, drafter, source, target.lm_head[draft_ids], t2d)
     ds = source.dataset(target, head.draft_head.dtype, tc.loss_on_prompt)
-    options = step_options(tc.kernels, accelerator.device, drafter.config.head_dim)
+    options = step_options(tc.kernels, accelerator.device, drafter.config)
     if options.attention == "merged":  # its gradients against the dense path's, on this device
         check_merged_attention(accelerator.device)
     objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, options)

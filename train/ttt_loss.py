@@ -228,7 +228,8 @@ def ttt_loss(drafter: Eagle3Drafter, rows: Rows, teacher: tuple[torch.Tensor, to
     p, top, in_vocab = teacher
     b, t = rows.input_ids.shape
     attention = options.attention
-    tp = padded_length(t) if attention == "flex" else t  # padded rows count nowhere (loss mask 0)
+    # flex: whole blocks; merged: whole blocks too, so a compiled step meets at most max_len / 128 lengths
+    tp = padded_length(t) if attention in ("flex", "merged") else t  # padded rows count nowhere (loss mask 0)
     aux, input_ids, loss_mask, in_vocab = (pad_to(x, tp) for x in (rows.aux, rows.input_ids, rows.loss_mask, in_vocab))
     positions = (torch.arange(tp, device=aux.device)[None].expand(b, tp) if rows.positions is None
                  else pad_to(rows.positions, tp))
