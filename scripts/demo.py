@@ -54,19 +54,27 @@ def fp32_matmul_gflops(seconds: float = 0.5) -> float:
     return 2 * 1024**3 / best / 1e9
 
 
-def machine_sizes() -> list[str]:
-    """[] (the config's sizes) on a GPU or a fast CPU with native bf16; MEDIUM on a slower one with native
-    bf16; without it COMPACT_FAST where fp32 is fast, else COMPACT; either said aloud."""
-    if torch.cuda.is_available():
+def sizes_for(gflops: float, native_bf16: bool) -> list[str]:
+    """[] (the config's sizes) on a fast CPU with native bf16; MEDIUM on a slower one with native bf16; without
+    it COMPACT_FAST where fp32 is fast, else COMPACT."""
+    if native_bf16:
+        return [] if gflops >= FULL_SPEED_GFLOPS else MEDIUM
+    return COMPACT_FAST if gflops >= FAST_FP32_GFLOPS else COMPACT
+
+
+def machine_sizes(gflops: float | None = None, native_bf16: bool | None = None) -> list[str]:
+    """This machine's sizes (a GPU: the config's), said aloud when smaller; gflops / native_bf16 given: those of a
+    CPU with that fp32 matmul rate and native bf16 or not (`--show-sizes --assume`)."""
+    if gflops is None and torch.cuda.is_available():
         return []
-    gflops, bf16 = fp32_matmul_gflops(), resolve_precision("auto") == "bf16"
-    if bf16 and gflops >= FULL_SPEED_GFLOPS:
-        return []
-    sizes = MEDIUM if bf16 else COMPACT_FAST if gflops >= FAST_FP32_GFLOPS else COMPACT
-    print(f"demo: this CPU runs fp32 matmul at {gflops:.0f} GFLOP/s{' (native bf16)' if bf16 else ' and has no native bf16'}: "
-          f"smaller sizes ({' '.join(sizes)}) keep the demo under 20 min; the config's full sizes take ~14 min (native "
-          "bf16) to ~39 min (fp32 only) on a 2-core CPU: make demo ARGS=\"data_gen.num_samples=1216 train.epochs=5 "
-          "train.ttt_steps=3\"", flush=True)
+    gflops = fp32_matmul_gflops() if gflops is None else gflops
+    bf16 = resolve_precision("auto") == "bf16" if native_bf16 is None else native_bf16
+    sizes = sizes_for(gflops, bf16)
+    if sizes:
+        print(f"demo: this CPU runs fp32 matmul at {gflops:.0f} GFLOP/s{' (native bf16)' if bf16 else ' and has no native bf16'}: "
+              f"smaller sizes ({' '.join(sizes)}) keep the demo under 20 min; the config's full sizes take ~14 min (native "
+              "bf16) to ~39 min (fp32 only) on a 2-core CPU: make demo ARGS=\"data_gen.num_samples=1216 train.epochs=5 "
+              "train.ttt_steps=3\"", flush=True)
     return sizes
 
 
@@ -77,18 +85,35 @@ def tau_every(cfg, probes: int = 3) -> int:
     return max(1, -(-steps // probes))  # the last probe falls on the last step, which train always probes
 
 
+def demo_overrides(args) -> list[str]:
+    """The machine's sizes, then τ on 4 held-out prompts a few times in training (train/curves.png's τ panel),
+    then the user's key=value, which win."""
+    assume = args.assume.split(",") if args.assume else None
+    if assume and (len(assume) != 2 or assume[1] not in ("bf16", "fp32") or not assume[0].replace(".", "", 1).isdigit()):
+        raise UserError(f"--assume {args.assume!r}: expected GFLOPS,bf16 or GFLOPS,fp32 (e.g. 125,fp32)")
+    sizes = machine_sizes(float(assume[0]), assume[1] == "bf16") if assume else machine_sizes()
+    every = tau_every(load_config(args.config, [*sizes, *args.overrides]))
+    return [*sizes, f"train.tau_every={every}", "train.tau_new_tokens=32", *args.overrides]
+
+
 def main() -> int:
-    args = stage_parser("demo", __doc__).parse_args()
+    parser = stage_parser("demo", __doc__)
+    parser.add_argument("--show-sizes", action="store_true", help="print the overrides the demo would run with, as "
+                        "JSON, and exit")
+    parser.add_argument("--assume", default="", help="with --show-sizes: GFLOPS,bf16|fp32 (a CPU's fp32 matmul rate "
+                        "and whether it has native bf16) instead of this machine's")
+    args = parser.parse_args()
     setup_logging()
     try:
         cfg = load_config(args.config, args.overrides)
+        args.overrides = demo_overrides(args)
+        load_config(args.config, args.overrides)
     except UserError as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 2
-    # the user's key=value win; τ on 4 held-out prompts a few times in training draws train/curves.png's τ panel
-    sizes = machine_sizes()
-    every = tau_every(load_config(args.config, [*sizes, *args.overrides]))
-    args.overrides = [*sizes, f"train.tau_every={every}", "train.tau_new_tokens=32", *args.overrides]
+    if args.show_sizes:
+        print(json.dumps(args.overrides))
+        return 0
     set_threads(cfg.threads)
     if cached_server_binary(cache_root(cfg)) is not None:  # eval also serves the drafter in llama.cpp
         args.overrides = ["eval.engine=llamacpp", *args.overrides]

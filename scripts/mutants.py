@@ -10,12 +10,12 @@ exit (a collection error says the mutant broke the import, not the behaviour), i
 Exit status 1 if any mutant survives. M1-M5 are the audit's mutants of issue 9, K1-K2 the two it
 found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S1-S2 and T1-T2 issue
 10's speculative sampling and draft trees, F1-F11 issue 13's fast TTT step (flex block mask, fused loss,
-checkpointing, flash kernel + log-sum-exp merge, one-graph unroll), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W5 its resume onto another
+checkpointing, causal kernel + log-sum-exp merge, one-graph unroll), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W5 its resume onto another
 number of processes, G1-G6 issue 14's static batched generation loop (G6: its CPU prefill in row
 groups), P1-P3 data_gen's pool of requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
 (core/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
 sequence packing (train.kernels.pack_length), H1-H4 its bf16 weights with fp32 masters (train.kernels.bf16_weights),
-E1-E2 scripts/drafter_accuracy.py (teacher-forced accuracy of an exported drafter), R1-R3 the eager TTT
+E1-E2 train/drafter_accuracy.py (teacher-forced accuracy of an exported drafter), R1-R3 the eager TTT
 steps pruned to the rows a later step counts (TTTObjective's prune_rows), KM1-KM6 issue 48's Kimi-K2.5 failures
 put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V10 issue 50's unfinished upstream,
 conversations part checksums, logs of a run killed before its first checkpoint and eval on training prompts, the lossless check, loss decay
@@ -137,37 +137,37 @@ MUTANTS = [
            "g = (logp.exp() * pc.sum(-1, keepdim=True) - pc) * scale[:, None]",
            "g = logp.exp() * pc.sum(-1, keepdim=True) - pc", FAST),
     Mutant("F4", "activation checkpointing recomputes with the grown key list", "train/ttt_loss.py",
-           "tuple(keys), tuple(values), attention,", "keys, values, attention,", FAST),
+           "tuple(keys), tuple(values), masks[k],", "keys, values, masks[k],", FAST),
     Mutant("F8", "train.kernels.compile=unroll runs the plain per-step loop (the one-graph unroll never runs)",
-           "train/ttt_loss.py", 'if compile == "unroll":', "if False:", FAST),
-    Mutant("F9", "flash TTT attention hands the step's strided views to its kernel (an H200 gave 10-100% errors)",
+           "train/ttt_loss.py", "    if options.unroll:", "    if False:", FAST),
+    Mutant("F9", "the merged TTT attention hands the step's strided views to its kernel (a GPU gave 10-100% errors)",
            "train/ttt_attention.py",
-           "_MergedAttention.apply(kernel, q.contiguous(), *(k.contiguous() for k in keys), *(v.contiguous() for v in values))",
-           "_MergedAttention.apply(kernel, q, *keys, *values)", FAST),
-    Mutant("F10", "train uses flash attention without checking it on the device first", "train/loop.py",
-           "        check_flash(accelerator.device, options[\"attention\"])", "        pass", ("tests/test_train_online.py",)),
-    Mutant("F11", "the flash check lets any gradient error through", "train/flash_check.py",
+           "_MergedAttention.apply(q.contiguous(), *(k.contiguous() for k in keys), *(v.contiguous() for v in values))",
+           "_MergedAttention.apply(q, *keys, *values)", FAST),
+    Mutant("F10", "train uses the cudnn attention without checking it on the device first", "train/loop.py",
+           "        check_merged_attention(accelerator.device)", "        pass", ("tests/test_train_online.py",)),
+    Mutant("F11", "the attention check lets any gradient error through", "train/attention_check.py",
            "    if errors[worst] > LIMIT:", "    if errors[worst] > 100 * LIMIT:", FAST),
     Mutant("H1", "bf16 weights: the checkpoint loses the fp32 masters (a resume continues from the rounded weights)",
            "train/master_weights.py", "                m.copy_(saved)", "                pass", ("tests/test_master_weights.py",)),
     Mutant("H2", "bf16 weights: the masters step but are never written back to the weights",
            "train/master_weights.py", "            p.copy_(m)", "            pass", ("tests/test_master_weights.py",)),
     Mutant("H3", "train.kernels.bf16_weights trains with plain AdamW on the bf16 weights", "train/loop.py",
-           "optimizer = MasterWeightAdamW if tc.bf16_weights else torch.optim.AdamW",
+           "optimizer = MasterWeightAdamW if tc.kernels.bf16_weights else torch.optim.AdamW",
            "optimizer = torch.optim.AdamW", ("tests/test_master_weights.py",)),
     Mutant("H4", "the loop's learning rate never reaches the masters' AdamW", "train/master_weights.py",
            "            inner.update({k: v for k, v in outer.items() if k != \"params\"})  # the lr the loop set",
            "            pass", ("tests/test_master_weights.py",)),
     Mutant("E1", "drafter_accuracy feeds each sample's features misaligned with its tokens",
-           "scripts/drafter_accuracy.py", 'ttt_loss(drafter, b["aux"],', 'ttt_loss(drafter, b["aux"].flip(1),',
+           "train/drafter_accuracy.py", 'Rows(b["aux"],', 'Rows(b["aux"].flip(1),',
            ("tests/test_tau_probe.py",)),
-    Mutant("E2", "drafter_accuracy scores features of other aux layers than the drafter's", "scripts/drafter_accuracy.py",
+    Mutant("E2", "drafter_accuracy scores features of other aux layers than the drafter's", "train/drafter_accuracy.py",
            '"aux_layers": list(drafter.config.aux_layers)}', "}", ("tests/test_tau_probe.py",)),
-    Mutant("F5", "flash TTT attention: the causal part is not rescaled by the merged log-sum-exp",
+    Mutant("F5", "merged TTT attention: the causal part is not rescaled by the merged log-sum-exp",
            "train/ttt_attention.py", "out = out0.float() * (lse0 - lse).exp()[..., None]", "out = out0.float()", FAST),
-    Mutant("F6", "flash TTT attention's backward drops the diagonal keys' share of dq", "train/ttt_attention.py",
+    Mutant("F6", "merged TTT attention's backward drops the diagonal keys' share of dq", "train/ttt_attention.py",
            "        dq = dq + ds[..., None] * kg * scale\n", "        dq = dq\n", FAST),
-    Mutant("F7", "flash TTT attention's backward forgets the softmax row term for the diagonal scores",
+    Mutant("F7", "merged TTT attention's backward forgets the softmax row term for the diagonal scores",
            "train/ttt_attention.py", "ds = p * ((dog * vg).sum(-1) - delta)", "ds = p * (dog * vg).sum(-1)", FAST),
     Mutant("R1", "pruned steps keep only the rows their own step counts, not a later step's", "train/ttt_loss.py",
            "        union = union | masks[k]", "        union = masks[k]", FAST),
@@ -373,13 +373,38 @@ def run_mutant(m: Mutant) -> tuple[bool, int, str, float]:
         return rc == 1, rc, detail, time.time() - t
 
 
+def aim_problems(mutants: list[Mutant]) -> list[str]:
+    """What keeps a mutant from checking anything: a replacement that no longer matches its file once (the code
+    moved on), a test that does not exist, a name used twice."""
+    problems = [f"{name}: name used twice" for name in {m.name for m in mutants}
+                if sum(m.name == name for m in mutants) > 1]
+    for m in mutants:
+        try:
+            m.apply((ROOT / m.file).read_text())
+        except (OSError, ValueError) as e:
+            problems.append(str(e))
+        for test in m.tests:
+            path, _, name = test.partition("::")
+            if not (ROOT / path).is_file():
+                problems.append(f"{m.name}: no {path}")
+            elif name and f"def {name.split('[')[0]}(" not in (ROOT / path).read_text():
+                problems.append(f"{m.name}: no {test}")
+    return problems
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help="comma-separated mutant names")
     ap.add_argument("--list", action="store_true", help="print the mutants and exit")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the named tests")
+    ap.add_argument("--check", action="store_true", help="check that every mutant still applies (its replacement "
+                    "matches its file exactly once), names tests that exist and has a name of its own; run nothing")
     args = ap.parse_args()
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
+    if args.check:
+        problems = aim_problems(chosen)
+        print("\n".join(problems) or f"{len(chosen)} mutants aimed at their code")
+        return 1 if problems else 0
     if args.list:
         for m in chosen:
             print(f"{m.name:4} {m.file:26} {m.what}  <- {' '.join(m.tests)}")

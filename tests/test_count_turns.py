@@ -1,19 +1,14 @@
-"""scripts/count_turns.py counts the requests data_gen would send, and cuts where data_gen would.
+"""data_gen/count_turns.py counts the requests data_gen would send, and cuts where data_gen would.
 
 Run: .venv/bin/python -m pytest tests/test_count_turns.py -q
 """
-
-import importlib.util
 
 from core.chat import prompt_ids
 from core.config import load_config
 from core.prompts import Prompt
 from core.target import load_tokenizer
+from data_gen import count_turns
 from tests.conftest import ROOT
-
-spec = importlib.util.spec_from_file_location("count_turns", ROOT / "scripts/count_turns.py")
-count_turns = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(count_turns)
 
 
 def test_request_lengths_are_data_gens_requests_with_empty_answers():

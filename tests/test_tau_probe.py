@@ -54,14 +54,11 @@ def test_tau_probe_equals_evals_engine_on_the_exported_drafter(overfit_tiny):
 
 
 def test_teacher_forced_accuracy_of_the_exported_drafter_agrees_with_training(overfit_tiny, tmp_path):
-    """scripts/drafter_accuracy.py scores the drafter as an engine loads it: on the samples it memorised, its
+    """train/drafter_accuracy.py scores the drafter as an engine loads it: on the samples it memorised, its
     acc_k are those training logged at the end (the exported bf16 weights vs the training ones, last window);
     the same drafter with fc and its layer re-initialised scores far below, so the figure is the drafter's."""
-    import importlib.util
+    from train import drafter_accuracy as script
 
-    spec = importlib.util.spec_from_file_location("drafter_accuracy", ROOT / "scripts/drafter_accuracy.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     cfg, run_dir, _, _ = overfit_tiny
     steps = cfg.train.ttt_steps
     r = script.teacher_forced_accuracy(cfg, run_dir / "drafter", steps)

@@ -244,7 +244,8 @@ def test_step_options_name_the_setting_that_cannot_run():
 
     def dc(hidden=4096, head_dim=128):
         return DrafterConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=hidden // head_dim,
-                             num_key_value_heads=1, head_dim=head_dim, vocab_size=80, draft_vocab_size=48)
+                             num_key_value_heads=1, head_dim=head_dim, vocab_size=80, draft_vocab_size=48,
+                             target_hidden_size=hidden)
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     # the plain path on CPU and, on CUDA, for a narrow drafter (launch-bound: compiling buys nothing back there)

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Teacher-forced accuracy of an exported drafter on a run's extracted samples: acc_k of each TTT step, the
 figure training logs, but for the drafter as an engine loads it and on samples it may never have seen.
 
-    python scripts/drafter_accuracy.py --config configs/smollm2-135m-instruct.yaml --run-dir RUN \\
+    python -m train.drafter_accuracy --config configs/smollm2-135m-instruct.yaml --run-dir RUN \\
         [--draft results/smollm2-135m-instruct/drafter] [--steps 7] [key=value ...]
 
 RUN needs conversations/ and hidden/ (python -m data_gen, python -m extract; e.g. with
@@ -10,8 +9,7 @@ data_gen.prompts=<MT-Bench .jsonl> for prompts no drafter trained on); --draft d
 Why: training accuracy is measured on the training samples, serving acceptance on new prompts, and the two
 differ by 2x in the field's common complaint. On held-out samples acc_0 says whether the drafter generalises,
 and the τ it implies (1 + the sum of the cumulative products of acc_k, as if each step's accuracy held
-independently) beside eval's τ says whether serving loses what the drafter knows. docs/PERFORMANCE.md:
-the headline drafter on MT-Bench, acc_0 0.395 and τ 1.59 implied, 1.53 served.
+independently) beside eval's τ says whether serving loses what the drafter knows.
 """
 
 import argparse
@@ -20,16 +18,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from core.cli import DEFAULT_CONFIG, set_threads  # noqa: E402
-from core.config import RunConfig, load_config  # noqa: E402
-from core.drafter import Eagle3Drafter  # noqa: E402
-from core.errors import UserError  # noqa: E402
-from core.hidden_shards import HiddenShards  # noqa: E402
-from core.manifest import check_compat, read_manifest  # noqa: E402
-from core.target import load_target_embeddings, target_info  # noqa: E402
-from train.data import ShardDataset, collate, precompute_argmax  # noqa: E402
-from train.ttt_loss import Rows, teacher_targets, ttt_loss  # noqa: E402
+from core.cli import DEFAULT_CONFIG, set_threads
+from core.config import RunConfig, load_config
+from core.drafter import Eagle3Drafter
+from core.errors import UserError
+from core.hidden_shards import HiddenShards
+from core.manifest import check_compat, read_manifest
+from core.target import load_target_embeddings, target_info
+from train.data import ShardDataset, collate, precompute_argmax
+from train.ttt_loss import Rows, teacher_targets, ttt_loss
 
 
 @torch.no_grad()
@@ -68,10 +65,10 @@ def main() -> int:
         set_threads(cfg.threads)
         r = teacher_forced_accuracy(cfg, Path(args.draft or cfg.run_path / "drafter"), args.steps)
     except UserError as e:
-        print(f"drafter_accuracy: error: {e}", file=sys.stderr)
+        sys.stderr.write(f"drafter_accuracy: error: {e}\n")
         return 1
-    print(f"teacher-forced acc_k over {int(r['rows'][0]):,} rows: {' '.join(f'{a:.3f}' for a in r['acc'])}; "
-          f"implied τ at K={args.steps}: {r['implied_tau']:.3f}")
+    sys.stdout.write(f"teacher-forced acc_k over {int(r['rows'][0]):,} rows: {' '.join(f'{a:.3f}' for a in r['acc'])}; "
+                     f"implied τ at K={args.steps}: {r['implied_tau']:.3f}\n")
     return 0
 
 

@@ -1,6 +1,6 @@
 """How many conversations and user turns data_gen would regenerate from its prompts, per prompt limit.
 
-    python scripts/count_turns.py --config configs/smollm2-135m-instruct.yaml --max-prompt-tokens 1024,1536,2048 \\
+    python -m data_gen.count_turns --config configs/smollm2-135m-instruct.yaml --max-prompt-tokens 1024,1536,2048 \\
         data_gen.max_turns=0 data_gen.max_context_tokens=4096 data_gen.max_new_tokens=1024
 
 Why: choosing data_gen.max_prompt_tokens / max_context_tokens for a large run. data_gen skips a conversation
@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from core.chat import fitting_prompts, prompt_ids  # noqa: E402
-from core.config import load_config  # noqa: E402
-from core.prompts import Prompt, load_prompts  # noqa: E402
-from core.target import load_tokenizer  # noqa: E402
-from data_gen.chat_tokenize import ThinkingStyle  # noqa: E402
-from data_gen.conversation import regenerations, replay_turns  # noqa: E402
-from data_gen.openai_client import Reply  # noqa: E402
+from core.chat import fitting_prompts, prompt_ids
+from core.config import load_config
+from core.prompts import Prompt, load_prompts
+from core.target import load_tokenizer
+from data_gen.chat_tokenize import ThinkingStyle
+from data_gen.conversation import regenerations, replay_turns
+from data_gen.openai_client import Reply
 
 EMPTY = Reply(content="", reasoning="", finish_reason="stop", completion_tokens=0)
 NO_THINKING = ThinkingStyle(mode="drop", template_renders=False, prompt_opens=False)
@@ -67,17 +65,18 @@ def main() -> None:
     limits = [int(v) for v in args.max_prompt_tokens.split(",")] if args.max_prompt_tokens else [dg.max_prompt_tokens]
     distinct = [p for p, _ in fitting_prompts(prompts, tok, max(limits), len(prompts), skipped, dg.max_turns)]
     counted = [(user_turns(p, dg.max_turns), request_lengths(p, tok, dg, dg.max_context_tokens)) for p in distinct]
-    print(f"{dg.prompts}, train split (heldout_percent {dg.heldout_percent}), max_turns {dg.max_turns}: "
-          f"{len(prompts):,} conversations, {sum(user_turns(p, dg.max_turns) for p in prompts):,} user turns; "
-          f"passed over: {dict(skipped)} (prompt_too_long at {max(limits)})\n"
-          f"max_context_tokens {dg.max_context_tokens}; answers counted as 0 or {dg.max_new_tokens} tokens\n"
-          "| max_prompt_tokens | conversations | user turns | turns kept, empty answers "
-          f"| turns kept, {dg.max_new_tokens}-token answers |\n|---|---|---|---|---|")
+    lines = [f"{dg.prompts}, train split (heldout_percent {dg.heldout_percent}), max_turns {dg.max_turns}: "
+             f"{len(prompts):,} conversations, {sum(user_turns(p, dg.max_turns) for p in prompts):,} user turns; "
+             f"passed over: {dict(skipped)} (prompt_too_long at {max(limits)})\n"
+             f"max_context_tokens {dg.max_context_tokens}; answers counted as 0 or {dg.max_new_tokens} tokens\n"
+             "| max_prompt_tokens | conversations | user turns | turns kept, empty answers "
+             f"| turns kept, {dg.max_new_tokens}-token answers |\n|---|---|---|---|---|"]
     for limit in limits:
         fit = [(n, lengths) for n, lengths in counted if lengths[0] <= limit]
         kept = [sum(turns_kept(lengths, limit, dg.max_context_tokens, a) for _, lengths in fit)
                 for a in (0, dg.max_new_tokens)]
-        print(f"| {limit} | {len(fit):,} | {sum(n for n, _ in fit):,} | {kept[0]:,} | {kept[1]:,} |")
+        lines.append(f"| {limit} | {len(fit):,} | {sum(n for n, _ in fit):,} | {kept[0]:,} | {kept[1]:,} |")
+    sys.stdout.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
