@@ -28,7 +28,7 @@ from bench.benchmark import matmul_peak, sync  # noqa: E402
 from core.aux_layers import resolve_aux_layers  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.hidden_shards import ShardWriter  # noqa: E402
-from core.target import load_target, resolve_precision  # noqa: E402
+from core.target import load_target, resolve_dtype, resolve_precision  # noqa: E402
 from extract.run import extract_hf  # noqa: E402
 
 
@@ -96,12 +96,12 @@ def main() -> None:
     p.add_argument("--config", default="configs/smollm2-135m-instruct.yaml")
     p.add_argument("--random-llama-8b", action="store_true", help="random weights, Llama-3.1-8B shapes")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bf16", help="target.dtype: fp32 | bf16 | fp16")
     p.add_argument("--tokens", type=int, default=262144, help="tokens extracted in the timed run")
     p.add_argument("--seq", type=int, default=2048, help="longest sample")
     p.add_argument("--batch-tokens", type=int, default=32768)
     p.add_argument("--shard-mb", type=int, default=256, help="shard size (extract.shard_mb)")
-    p.add_argument("--storage", default="bfloat16", help="shard dtype: bfloat16 | fp8_e4m3 | float32")
+    p.add_argument("--storage", default="bf16", help="extract.dtype: bf16 | fp8_e4m3 | fp32")
     p.add_argument("--out", default=None, help="shard dir on the disk to measure (default: a temp dir)")
     args = p.parse_args()
 
@@ -109,7 +109,7 @@ def main() -> None:
     if args.random_llama_8b:
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                               ("cpu" if args.device == "auto" else args.device))
-        model, name = random_llama_8b(device, getattr(torch, args.dtype)), "random Llama-3.1-8B shape"
+        model, name = random_llama_8b(device, resolve_dtype(args.dtype)), "random Llama-3.1-8B shape"
     else:
         (model, _), name = load_target(cfg), cfg.target.model
     c = model.config

@@ -1,7 +1,7 @@
 """Batched generation speed (core/decode.generate, data_gen's hf backend) against the memory-bandwidth
 bound, eager and replayed as CUDA graphs, beside HF `model.generate`; fails if the paths disagree.
 
-    python bench/bench_generate.py --target smollm2-135m-instruct --dtype bfloat16 \
+    python bench/bench_generate.py --target smollm2-135m-instruct --dtype bf16 \
         --batch 1 16 64 256 --prompt-len 128 --new-tokens 128 --out bench_generate.json
 
 Paths: eager (data_gen.compile=no: every kernel launched from Python, the loop without graphs),
@@ -160,7 +160,7 @@ def report(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct", help="alias or local HF model dir (core/target.py)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="fp32", help="target.dtype: fp32 | bf16 | fp16")
     p.add_argument("--device", default="auto")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--prompt-len", type=int, default=128)
@@ -180,7 +180,7 @@ def main() -> None:
     if "graphs" in paths and not cuda:
         p.error("--paths graphs needs a CUDA device")
     if "bf16" in paths and model.dtype != torch.float32:
-        p.error("--paths bf16 is data_gen's bf16 decode of a float32 target: pass --dtype float32")
+        p.error("--paths bf16 is data_gen's bf16 decode of an fp32 target: pass --dtype fp32")
     decoder = bf16_copy(model) if "bf16" in paths else None
     bandwidth = args.bandwidth * 1e9 or copy_bandwidth(model.device)
     name = torch.cuda.get_device_name(model.device) if cuda else f"{torch.get_num_threads()} threads"

@@ -123,7 +123,7 @@ def bench(args, s: dict, t: int, variant: str, kernels: TrainKernels, device) ->
            "batch": args.batch, "ttt": args.ttt}
     torch._dynamo.reset()  # static-shape graphs for this length
     d = build(s, device)
-    frozen_to_matmul_dtype(d, "bf16" if device.type == "cuda" else "no")
+    frozen_to_matmul_dtype(d, "bf16" if device.type == "cuda" else "fp32")
     if kernels.bf16_weights:  # as train/loop.py does under train.kernels.bf16_weights
         weights_to_bf16(d)
     accelerator = Accelerator(mixed_precision="bf16" if device.type == "cuda" else "no", cpu=device.type != "cuda")

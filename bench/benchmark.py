@@ -1,7 +1,7 @@
 """Per-stage speed as a ratio against a limit (the machine's measured matmul peak = FLOP bound).
 
     python bench/benchmark.py [--stage generate|decode|extract|train|all] [--config configs/<name>.yaml]
-                                [--device cpu|cuda] [--dtype float32|bfloat16]
+                                [--device cpu|cuda] [--dtype fp32|bf16]
 
 generate: batched cached decode tokens/s vs the FLOP bound (2 x params per token), and vs
           `model.generate` on the same batch (why the engine is a plain cached loop)
@@ -186,7 +186,7 @@ def main() -> None:
     p.add_argument("--stage", default="all", choices=["generate", "decode", "extract", "train", "all"])
     p.add_argument("--config", default="configs/smollm2-135m-instruct.yaml")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="fp32", help="target.dtype: fp32 | bf16 | fp16")
     args = p.parse_args()
     cfg = load_config(args.config, [f"target.device={args.device}", f"target.dtype={args.dtype}"])
     model, _ = load_target(cfg)

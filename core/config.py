@@ -17,6 +17,10 @@ import yaml
 
 from core.errors import UserError
 
+# One precision vocabulary for every key: weights (target.dtype), autocast (*.mixed_precision), storage
+PRECISIONS = ("fp32", "bf16", "fp16")
+AUTOCAST = ("auto", "fp32", "bf16")
+
 
 def _f(default, help: str, ge=None, gt=None, le=None, choices: tuple | None = None):
     """A config field with its help text, its range (ge/gt/le; for a list, of every item) and, for an enum, its
@@ -30,8 +34,8 @@ def _f(default, help: str, ge=None, gt=None, le=None, choices: tuple | None = No
 @dataclass
 class TargetConfig:
     model: str = _f("smollm2-135m-instruct", "alias of an embedded model, or a local HF model dir")
-    dtype: str = _f("float32", "float32 | bfloat16 | float16 (use float32 on CPU: bf16 matmul is slow there)",
-                    choices=('float32', 'bfloat16', 'float16'))
+    dtype: str = _f("fp32", "fp32 | bf16 | fp16: the weights' dtype (fp32 on a CPU without native bf16, where bf16 "
+                            "matmul is emulated and slow)", choices=PRECISIONS)
     device: str = _f("auto", "auto | cpu | cuda | cuda:N")
     trust_remote_code: bool = _f(False, "run the Python code a model dir ships (its auto_map: Kimi-K2.5's tokenizer) "
                                         "in every tokenizer, config and model load, and pass --trust-remote-code "
@@ -69,9 +73,9 @@ class DataGenConfig:
     stop: list[str] = _f([], "extra stop strings (openai backend)")
     request_seed: int | None = _f(None, "seed sent with every request (openai backend; +j for answer j)")
     batch_size: int = _f(16, "prompts generated together (hf backend)", ge=1)
-    mixed_precision: str = _f("no", "auto | no | bf16: prompt prefill under bf16 autocast and decode steps with a "
-                                    "bf16 copy of the weights (hf backend); auto = where the device has native bf16",
-                              choices=('auto', 'no', 'bf16'))
+    mixed_precision: str = _f("fp32", "auto | fp32 | bf16: bf16 = prompt prefill under bf16 autocast and decode "
+                                      "steps with a bf16 copy of the weights (hf backend); auto = bf16 where the "
+                                      "device has native bf16", choices=AUTOCAST)
     compile: str = _f("auto", "auto | yes | no | fused | exact: replay each decode step as a CUDA graph (hf "
                               "backend; the same kernels, so the same tokens, hundreds of launches fewer); auto = "
                               "on CUDA; fused = torch.compile the step first (its small kernels fused; bf16 tokens "
@@ -101,15 +105,14 @@ class ExtractConfig:
     aux_layers: list[int] | None = _f(None, "input-of-layer ids; default [2, L//2, L-3]", ge=0)
     batch_tokens: int = _f(4096, "token budget of one forward batch", ge=1)
     shard_mb: int = _f(256, "approximate size of one shard file", ge=0)
-    dtype: str = _f("bfloat16", "storage of aux/final: bfloat16 | float32 | fp8_e4m3 (one fp32 scale per token "
-                                "and layer: ~0.5x the bytes of bfloat16)",
-                    choices=('bfloat16', 'float32', 'fp8_e4m3'))
+    dtype: str = _f("bf16", "storage of aux/final: bf16 | fp32 | fp8_e4m3 (one fp32 scale per token and layer: "
+                            "~0.5x the bytes of bf16)", choices=("bf16", "fp32", "fp8_e4m3"))
     spans: str = _f("all", "all | loss: final rows only where the loss reads a teacher target (aux stays on "
                            "every token: the drafter attends over the prompt); `python -m extract stats` shows bytes",
                     choices=('all', 'loss'))
-    mixed_precision: str = _f("no", "auto | no | bf16: run the target's matmuls under bf16 autocast (residual "
-                                    "stream stays fp32; faster prefill where bf16 is native); auto = where native",
-                              choices=('auto', 'no', 'bf16'))
+    mixed_precision: str = _f("fp32", "auto | fp32 | bf16: bf16 = run the target's matmuls under bf16 autocast "
+                                      "(residual stream stays fp32; faster prefill where bf16 is native); auto = bf16 "
+                                      "where native", choices=AUTOCAST)
 
 
 @dataclass
@@ -176,9 +179,9 @@ class TrainConfig:
     freeze_lm_head: bool = _f(False, "keep that lm_head fixed (fewer trainable parameters for small data)")
     wandb_mode: str = _f("offline", "offline | online | disabled", choices=('offline', 'online', 'disabled'))
     wandb_project: str = _f("eagle3", "W&B project")
-    mixed_precision: str = _f("auto", "auto | no | bf16; auto = bf16 on GPUs and on CPUs with native bf16 "
-                                      "(AVX512-BF16/AMX), fp32 elsewhere (emulated bf16 is far slower there)",
-                              choices=('auto', 'no', 'bf16'))
+    mixed_precision: str = _f("auto", "auto | fp32 | bf16: the step's matmuls under bf16 autocast or not; auto = "
+                                      "bf16 on GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), fp32 elsewhere "
+                                      "(emulated bf16 is far slower there)", choices=AUTOCAST)
     tau_every: int = _f(0, "optimizer steps between τ measurements (eval's hf engine on the drafter as exported, "
                            "greedy chain of K = eval.draft_steps, on eval's prompts), also at the last step; "
                            "logged with loss_k / acc_k; 0 = off", ge=0)

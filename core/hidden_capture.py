@@ -19,7 +19,7 @@ def capture_compat(cfg, info, aux_layers: list[int]) -> dict:
 
 @torch.no_grad()  # not inference_mode: online training feeds the captures to autograd as inputs
 def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_layers: list[int],
-            precision: str = "no") -> tuple[torch.Tensor, torch.Tensor]:
+            precision: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids [B,T] and mask [B,T] (1 on real tokens) on the model's device -> (aux [B,T,3H],
     final [B,T,H]) in the model's dtype. precision "bf16": the matmuls under bf16 autocast
     (extract.mixed_precision); the residual stream stays in the model's dtype."""
@@ -29,7 +29,7 @@ def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_la
 
 
 def extract_batch(model, seqs: list[list[int]], aux_layers: list[int],
-                  precision: str = "no") -> list[tuple[torch.Tensor, ...]]:
+                  precision: str = "fp32") -> list[tuple[torch.Tensor, ...]]:
     """Per sample (the ids the model ran [T], on the CPU; aux [T,3H] and final [T,H] on the model's
     device). The right-padded batch is built on the CPU and sent in one copy."""
     lengths = torch.tensor([len(s) for s in seqs])

@@ -9,7 +9,7 @@ Integrity: `crc32` holds a checksum of each stored tensor's rows of the sample, 
 read: a flipped byte in aux or final stops training naming the shard and sample instead of training on
 garbage (`sha256` of input_ids is the sample's identity).
 
-Storage options: dtype bfloat16 (default) | float32 | fp8_e4m3 (core/fp8_rows.py, ~0.5x bf16), and
+Storage options: dtype bf16 (default) | fp32 | fp8_e4m3 (core/fp8_rows.py, ~0.5x bf16), and
 spans all (M = N) | loss: final rows only at the positions whose teacher distribution the loss reads
 (j with loss_mask[j+1] = 1); aux stays on every token because the drafter attends over the prompt.
 The reader hides both: it returns aux [T, 3H] and final [T, H] (zeros where final was not stored).
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 INDEX = "index.jsonl"
 _SHARD_RE = re.compile(r"shard-(\d{5})\.safetensors$")
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": FP8}
+STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8_e4m3": FP8}
 SPANS = ("all", "loss")
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", FP8: "F8_E4M3", torch.int32: "I32",
                        torch.uint8: "U8"}
@@ -118,7 +118,7 @@ class ShardWriter:
 
     MAX_IN_FLIGHT = 2
 
-    def __init__(self, out_dir: Path, hidden_size: int, dtype: str = "bfloat16", shard_mb: int = 256,
+    def __init__(self, out_dir: Path, hidden_size: int, dtype: str = "bf16", shard_mb: int = 256,
                  spans: str = "all"):
         if dtype not in STORAGE_DTYPES:
             raise UserError(f"extract.dtype = {dtype!r}; use one of {sorted(STORAGE_DTYPES)}")

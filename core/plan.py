@@ -26,18 +26,18 @@ GIB = 1024 ** 3
 # a real machine; a stage and shape not here prints "not measured".
 _PERF = "docs/PERFORMANCE.md"
 MEASURED = {
-    ("extract", 4096, 32, "bfloat16"): [(17_553, f"one H200, hf engine, Llama-3.1-8B shape; {_PERF}")],
+    ("extract", 4096, 32, "bf16"): [(17_553, f"one H200, hf engine, Llama-3.1-8B shape; {_PERF}")],
     ("extract", 4096, 32, "fp8_e4m3"): [(25_230, f"one H200, hf engine, Llama-3.1-8B shape; {_PERF}")],
-    ("extract", 576, 30, "bfloat16"): [(126_513, f"one H200, hf engine; {_PERF}"),
+    ("extract", 576, 30, "bf16"): [(126_513, f"one H200, hf engine; {_PERF}"),
                                        (600, f"2-core CPU, whole stage; {_PERF}")],
     ("extract", 576, 30, "fp8_e4m3"): [(173_496, f"one H200, hf engine; {_PERF}")],
     ("train", 4096, 32, "bf16"): [(28_455, f"one H200, step only (no optimizer), 8B drafter, 8192-token batches, "
                                            f"K=7, the K-step unroll, bench_train_step; {_PERF}")],
     ("train", 576, 30, "bf16"): [(1_400, f"2-core CPU with native bf16, K=3, 16 x 298 tokens; {_PERF}")],
-    ("train", 576, 30, "no"): [(700, f"2-core CPU, fp32, K=3, 16 x 298 tokens; {_PERF}")],
+    ("train", 576, 30, "fp32"): [(700, f"2-core CPU, fp32, K=3, 16 x 298 tokens; {_PERF}")],
 }
-_STORE_BYTES = {"bfloat16": 2, "float32": 4, "fp8_e4m3": 1}
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_STORE_BYTES = {"bf16": 2, "fp32": 4, "fp8_e4m3": 1}
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def conversations(cfg: RunConfig) -> int:
@@ -157,7 +157,7 @@ def disk_lines(hidden: int, cap: int) -> list[str]:
              f"{HAND_PATCHED_SAMPLES:,} samples:"]
     for n in (10_000, 100_000):
         cells = [f"{dt} {n * mean * shard_bytes_per_token(hidden, dt) / GIB:,.0f} / "
-                 f"{n * cap * shard_bytes_per_token(hidden, dt) / GIB:,.0f}" for dt in ("fp8_e4m3", "bfloat16", "float32")]
+                 f"{n * cap * shard_bytes_per_token(hidden, dt) / GIB:,.0f}" for dt in ("fp8_e4m3", "bf16", "fp32")]
         lines.append(f"  {n:,} samples: " + ", ".join(cells))
     return lines
 
@@ -234,14 +234,14 @@ def _train_lines(cfg: RunConfig, sh: _Shape, world_size: int) -> list[str]:
     params = drafter_params(dc)
     frozen = params["embed_tokens"] + (params["lm_head"] if t.freeze_lm_head else 0)
     trainable = sum(params.values()) - frozen
-    bf16 = t.mixed_precision != "no"
+    bf16 = t.mixed_precision != "fp32"  # auto: bf16 on the GPUs this plans for
     row = t.kernels.pack_length or t.max_len  # packed: up to batch_size rows of pack_length tokens
     mem = train_memory(dc, trainable, t.batch_size, row, t.ttt_steps, bf16, t.kernels)
     unembedded = sum(params.values()) - params["embed_tokens"]
     checkpoint = 4 * unembedded + (2 if bf16 else 4) * params["embed_tokens"] + 8 * trainable
     steps = math.ceil(sh.conversations / (t.batch_size * world_size * t.grad_accum)) * t.epochs
     train_tokens = sh.conversations * min(sh.cap, t.max_len) * t.epochs
-    key = ("train", sh.tc["hidden_size"], sh.tc["num_hidden_layers"], "bf16" if bf16 else "no")
+    key = ("train", sh.tc["hidden_size"], sh.tc["num_hidden_layers"], "bf16" if bf16 else "fp32")
     lines = [
         f"drafter: {trainable / 1e6:,.1f}M trainable + {frozen / 1e6:,.1f}M frozen params (hidden {dc.hidden_size}, "
         f"{dc.num_attention_heads}/{dc.num_key_value_heads} heads x {dc.head_dim}, MLP {dc.intermediate_size}, "

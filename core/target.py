@@ -51,15 +51,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if name not in dtypes:
         raise UserError(f"target.dtype = {name!r}; use one of {sorted(dtypes)}")
     return dtypes[name]
 
 
 def resolve_precision(name: str) -> str:
-    """"auto" -> "bf16" on GPUs and on CPUs with native bf16 matmul (AVX512-BF16 / AMX), else "no"
-    (fp32): elsewhere CPU bf16 matmul is emulated, orders of magnitude slower (docs/PERFORMANCE.md)."""
+    """A *.mixed_precision -> "bf16" or "fp32"; "auto" -> "bf16" on GPUs and on CPUs with native bf16 matmul
+    (AVX512-BF16 / AMX), else "fp32": elsewhere CPU bf16 matmul is emulated, orders of magnitude slower."""
     if name != "auto":
         return name
     if torch.cuda.is_available():
@@ -67,8 +67,8 @@ def resolve_precision(name: str) -> str:
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return "no"
-    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "no"
+        return "fp32"
+    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "fp32"
 
 
 def embedded_gguf_path() -> Path:

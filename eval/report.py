@@ -117,12 +117,12 @@ def _markdown(r: dict) -> str:
     match = ("n/a: sampled outputs are not compared" if r["outputs_match_baseline"] is None
              else r["outputs_match_baseline"])
     if r["outputs_match_baseline"] is False and "server" not in r:  # a server's are counted per level below
-        bad, dtype = r["mismatched_prompts"], r.get("config", {}).get("target", {}).get("dtype", "float32")
+        bad, dtype = r["mismatched_prompts"], r.get("config", {}).get("target", {}).get("dtype", "fp32")
         match = (f"**no**: {r['num_prompts'] - len(bad)}/{r['num_prompts']} prompts identical; the others agree for "
                  f"their first {', '.join(map(str, r.get('mismatches_agree_for', [])))} tokens"
                  + (f" ({dtype} target: the K+1-token verification and the one-token baseline step round differently, "
-                    "so near-ties can part; exact equality holds in float32)" if dtype != "float32" else
-                    " (float32: not expected from rounding; a bug until shown otherwise)"))
+                    "so near-ties can part; exact equality holds in fp32)" if dtype != "fp32" else
+                    " (fp32: not expected from rounding; a bug until shown otherwise)"))
     seen = r.get("trained_on_prompts")
     warning = (f"> **Measured on training prompts: {len(seen)} of {r['num_prompts']} eval prompts were in this "
                "drafter's training data, where τ reads higher than on held-out prompts.**\n\n" if seen else "")

@@ -5,6 +5,7 @@ import re
 import pytest
 
 from core.config import TrainConfig, check_ranges, describe, load_config
+from core.errors import UserError
 from tests.conftest import ROOT, run_cli, run_stage
 
 
@@ -58,13 +59,22 @@ def test_stage_help_lists_its_own_keys_and_the_shared_ones():
 
 
 def test_yaml_bare_no_and_yes_are_the_strings(tmp_path):
-    """YAML 1.1 reads `mixed_precision: no` as false and `compile: yes` as true; the schema takes them
-    as the strings they meant."""
+    """YAML 1.1 reads `compile: no` as false and `compile: yes` as true; the schema takes them as the strings
+    they meant."""
     path = tmp_path / "c.yaml"
-    path.write_text("train:\n  mixed_precision: no\nextract:\n  mixed_precision: no\n")
-    cfg = load_config(path, ["data_gen.compile=yes", "train.kernels.compile=no"])
-    assert cfg.train.mixed_precision == "no" and cfg.extract.mixed_precision == "no"
+    path.write_text("data_gen:\n  compile: yes\ntrain:\n  kernels:\n    compile: no\n")
+    cfg = load_config(path)
     assert cfg.data_gen.compile == "yes" and cfg.train.kernels.compile == "no"
+
+
+def test_one_precision_vocabulary():
+    """Weights, autocast and storage say fp32 / bf16 in the same words; torch's and Accelerate's names are refused
+    with the choices."""
+    cfg = load_config(overrides=["target.dtype=bf16", "extract.dtype=fp32", "train.mixed_precision=fp32"])
+    assert (cfg.target.dtype, cfg.extract.dtype, cfg.train.mixed_precision) == ("bf16", "fp32", "fp32")
+    for key, old in (("target.dtype", "bfloat16"), ("extract.dtype", "float32"), ("train.mixed_precision", "no")):
+        with pytest.raises(UserError, match=re.escape(f"{key} = {old!r}: must be one of")):
+            load_config(overrides=[f"{key}={old}"])
 
 
 def test_check_compat_refuses_a_missing_or_different_key(tmp_path):

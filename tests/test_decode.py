@@ -195,7 +195,7 @@ def test_a_report_says_where_mismatched_outputs_part_and_why(tmp_path):
     r = summarize(rows, 3)
     assert r["outputs_match_baseline"] is False and r["mismatched_prompts"] == [1, 2]
     assert r["mismatches_agree_for"] == [5, 37]
-    for dtype, why in (("bfloat16", "bfloat16 target"), ("float32", "a bug until shown otherwise")):
+    for dtype, why in (("bf16", "bf16 target"), ("fp32", "a bug until shown otherwise")):
         report = {**r, "target": "t", "device": "cpu", "drafter": "d", "prompts": "p", "engine": "hf",
                   "config": {"target": {"dtype": dtype}}}
         write_report(tmp_path / dtype, report, rows)

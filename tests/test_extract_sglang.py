@@ -30,7 +30,7 @@ def conversations(tmp_path_factory):
     """24 tiny-target conversations and their hf-engine shards (fp32, the reference rows)."""
     base = tmp_path_factory.mktemp("sg")
     run_stage("data_gen", "--config", TINY, "--run-dir", str(base / "hf"), "data_gen.num_samples=24")
-    run_stage("extract", "--config", TINY, "--run-dir", str(base / "hf"), "extract.dtype=float32")
+    run_stage("extract", "--config", TINY, "--run-dir", str(base / "hf"), "extract.dtype=fp32")
     return base
 
 
@@ -47,7 +47,7 @@ def served(conversations, tmp_path):
 
 def sglang_flags(run, url, *extra):
     return ["--config", TINY, "--run-dir", str(run), "extract.engine=sglang", f"extract.server_url={url}",
-            "extract.dtype=float32", "extract.max_inflight=4", "extract.request_timeout=60", *extra]
+            "extract.dtype=fp32", "extract.max_inflight=4", "extract.request_timeout=60", *extra]
 
 
 def assert_rows_equal_hf(run, reference):

@@ -20,7 +20,7 @@ def sample(i: int, t: int):
 
 
 def test_round_trip_many_shards(tmp_path):
-    with ShardWriter(tmp_path, H, "float32", shard_mb=0) as w:  # shard_mb=0: one shard per sample
+    with ShardWriter(tmp_path, H, "fp32", shard_mb=0) as w:  # shard_mb=0: one shard per sample
         for i in range(5):
             w.add(f"s{i}", *sample(i, 10 + i))
     r = HiddenShards(tmp_path)
@@ -33,7 +33,7 @@ def test_round_trip_many_shards(tmp_path):
 
 
 def test_bf16_storage_is_close(tmp_path):
-    with ShardWriter(tmp_path, H, "bfloat16", shard_mb=64) as w:
+    with ShardWriter(tmp_path, H, "bf16", shard_mb=64) as w:
         w.add("a", *sample(0, 7))
         w.add("b", *sample(1, 9))
     r = HiddenShards(tmp_path)
@@ -44,19 +44,19 @@ def test_bf16_storage_is_close(tmp_path):
 
 
 def test_resume_after_crash_loses_and_duplicates_nothing(tmp_path):
-    w = ShardWriter(tmp_path, H, "float32", shard_mb=0)
+    w = ShardWriter(tmp_path, H, "fp32", shard_mb=0)
     w.add("s0", *sample(0, 5))
     w.add("s1", *sample(1, 5))
     # crash 1: a shard committed but killed before its index line; crash 2: a torn index line
     w.flush()
-    with ShardWriter(tmp_path, H, "float32", shard_mb=1024) as w2:
+    with ShardWriter(tmp_path, H, "fp32", shard_mb=1024) as w2:
         w2.add("s2", *sample(2, 5))
     index = tmp_path / INDEX
     lines = index.read_text().splitlines(keepends=True)
     index.write_text("".join(lines[:2]) + lines[2][:20])  # s2's line torn mid-write
     (tmp_path / f".{shard_name(3)}.tmp4194305").write_bytes(b"half a shard")  # crash 3: killed mid-write
     (tmp_path / f".{shard_name(4)}.tmp{os.getpid()}").write_bytes(b"live")  # a running writer's: kept
-    w3 = ShardWriter(tmp_path, H, "float32", shard_mb=0)
+    w3 = ShardWriter(tmp_path, H, "fp32", shard_mb=0)
     assert [p.name for p in tmp_path.glob(".shard-*")] == [f".{shard_name(4)}.tmp{os.getpid()}"]
     (tmp_path / f".{shard_name(4)}.tmp{os.getpid()}").unlink()
     assert w3.done == {"s0", "s1"}
@@ -71,7 +71,7 @@ def test_resume_after_crash_loses_and_duplicates_nothing(tmp_path):
 
 
 def test_bad_samples_are_rejected(tmp_path):
-    w = ShardWriter(tmp_path, H, "float32")
+    w = ShardWriter(tmp_path, H, "fp32")
     ids, mask, aux, final = sample(0, 6)
     with pytest.raises(ValueError, match=r"aux \(6, 8\) / final \(6, 8\) rows for T=6 tokens, H=8"):
         w.add("x", ids, mask, aux[:, :H], final)
@@ -83,7 +83,7 @@ def test_bad_samples_are_rejected(tmp_path):
 
 
 def test_corrupt_shard_is_detected(tmp_path):
-    with ShardWriter(tmp_path, H, "float32") as w:
+    with ShardWriter(tmp_path, H, "fp32") as w:
         w.add("a", *sample(0, 6))
     index = tmp_path / INDEX
     index.write_text(index.read_text().replace('"sha256": "', '"sha256": "0'))
@@ -109,17 +109,17 @@ def test_fp8_rows_keep_each_layer_to_e4m3_precision(tmp_path):
 def test_fp8_bytes_per_token_about_half_of_bf16(tmp_path):
     h = 576  # SmolLM2's hidden size
     sizes = {}
-    for dtype in ("bfloat16", "fp8_e4m3"):
+    for dtype in ("bf16", "fp8_e4m3"):
         with ShardWriter(tmp_path / dtype, h, dtype) as w:
             for i in range(4):
                 g = torch.Generator().manual_seed(i)
                 w.add(f"s{i}", torch.arange(64), torch.ones(64), torch.randn(64, 3 * h, generator=g),
                       torch.randn(64, h, generator=g))
         sizes[dtype] = sum(p.stat().st_size for p in (tmp_path / dtype).glob("shard-*"))
-    assert sizes["fp8_e4m3"] <= 0.55 * sizes["bfloat16"]
+    assert sizes["fp8_e4m3"] <= 0.55 * sizes["bf16"]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp8_e4m3"])
 def test_loss_spans_keep_final_only_where_the_loss_reads_it(tmp_path, dtype):
     samples = {f"s{i}": sample(i, 9 + i) for i in range(4)}
     with ShardWriter(tmp_path / "all", H, dtype, shard_mb=0) as w_all, \
@@ -146,7 +146,7 @@ def test_loss_spans_keep_final_only_where_the_loss_reads_it(tmp_path, dtype):
 
 
 def test_engine_rows_of_other_tokens_are_rejected(tmp_path):
-    w = ShardWriter(tmp_path, H, "float32")
+    w = ShardWriter(tmp_path, H, "fp32")
     ids, mask, aux, final = sample(0, 6)
     with pytest.raises(ValueError, match="token ids differ"):
         w.add("x", ids, mask, aux, final, seen_ids=ids.roll(1))
@@ -177,7 +177,7 @@ def test_teacher_argmax_over_several_samples_per_product_matches_one_sample_at_a
     from train.ttt_loss import teacher_argmax
 
     lengths = [12, 7, 20, 9, 15]
-    with ShardWriter(tmp_path, H, "float32", shard_mb=64) as w:
+    with ShardWriter(tmp_path, H, "fp32", shard_mb=64) as w:
         for i, t in enumerate(lengths):
             ids, mask, aux, final = sample(i, t)
             w.add(f"s{i}", ids, mask * 0 if i == 1 else mask, aux, final)

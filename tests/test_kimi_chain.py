@@ -21,10 +21,10 @@ from tests.sglang_source import check_drafter_shapes, check_drafter_tensor_names
 from tests.tiny_kimi import build_tiny_kimi
 
 KIMI = "configs/kimi-k2.5.yaml"
-SIZES = ["target.dtype=float32", "target.device=cpu", "data_gen.backend=hf", "data_gen.num_samples=8",
+SIZES = ["target.dtype=fp32", "target.device=cpu", "data_gen.backend=hf", "data_gen.num_samples=8",
          "data_gen.max_new_tokens=24", "data_gen.max_prompt_tokens=256", "data_gen.max_context_tokens=512",
          "data_gen.max_turns=1", "data_gen.batch_size=4", "data_gen.part_samples=4", "extract.engine=hf",
-         "extract.dtype=bfloat16", "extract.shard_mb=1", "train.epochs=1", "train.ttt_steps=2",
+         "extract.dtype=bf16", "extract.shard_mb=1", "train.epochs=1", "train.ttt_steps=2",
          "train.draft_vocab_size=256", "train.batch_size=2", "train.max_len=512", "eval.engine=hf",
          "eval.max_prompts=2", "eval.max_new_tokens=16"]
 THINKING = "First I weigh the question, then I answer it."

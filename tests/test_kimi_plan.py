@@ -26,10 +26,10 @@ def test_target_parameters_are_the_modules(name):
 
 def test_kimi_plan_prints_disk_memory_and_the_hand_patched_run(tmp_path):
     text = format_plan(load_config(ROOT / "configs/kimi-k2.5.yaml", [f"run_dir={tmp_path}"]), world_size=8)
-    assert "1,026.41B parameters -> 1.9 TiB in bfloat16" in text
+    assert "1,026.41B parameters -> 1.9 TiB in bf16" in text
     assert "that run's dump took 924 GiB for 10,000 samples" in text
     # 1,730 tokens x (4 + 1 + 4 x 7168 x 2) B = 924 GiB: our bf16 layout is the hand-patched one, fp8 half
-    assert "10,000 samples: fp8_e4m3 462 / 4,378, bfloat16 924 / 8,751" in text
+    assert "10,000 samples: fp8_e4m3 462 / 4,378, bf16 924 / 8,751" in text
     assert "100,000 samples: fp8_e4m3 4,623 / 43,782" in text
     assert "memory per GPU ~70.3 GiB" in text and "WARNING" not in text  # max_len covers the longest sample
     cut = format_plan(load_config(ROOT / "configs/kimi-k2.5.yaml", ["train.max_len=2048"]))
@@ -41,7 +41,7 @@ def test_online_training_refuses_a_target_that_cannot_fit_in_one_line(tmp_path):
                      "train.source=online", check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert "1.9 TiB in bfloat16" in last and "1,026.4B parameters" in last and "train.source=offline" in last
+    assert "1.9 TiB in bf16" in last and "1,026.4B parameters" in last and "train.source=offline" in last
 
 
 def test_a_target_that_fits_passes_the_check():

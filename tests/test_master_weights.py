@@ -167,8 +167,8 @@ def test_bf16_weights_without_bf16_training_is_refused_before_anything_is_writte
     """A process of its own: Accelerate's precision is fixed once per process (the run above took bf16)."""
     run_in(tmp_path / "fp32", data)
     proc = run_cli("train", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(tmp_path / "fp32"), *BF16,
-                   "train.mixed_precision=no", check=False)
+                   "train.mixed_precision=fp32", check=False)
     assert proc.returncode != 0
-    assert ("train.kernels.bf16_weights = true needs bf16 training: train.mixed_precision resolved to 'no' here; set "
+    assert ("train.kernels.bf16_weights = true needs bf16 training: train.mixed_precision resolved to 'fp32' here; set "
             "train.mixed_precision=bf16 or train.kernels.bf16_weights=false") in proc.stderr
     assert not (tmp_path / "fp32/train/manifest.json").exists() and not (tmp_path / "fp32/drafter").exists()

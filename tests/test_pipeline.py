@@ -16,7 +16,7 @@ from tests.conftest import ROOT, run_stage
 from tests.sglang_source import check_drafter_tensor_names, sglang_capture_layers
 
 TINY = ["data_gen.num_samples=6", "data_gen.max_new_tokens=24", "data_gen.batch_size=3", "data_gen.part_samples=3",
-        "extract.dtype=float32", "extract.mixed_precision=no", "extract.batch_tokens=512",
+        "extract.dtype=fp32", "extract.mixed_precision=fp32", "extract.batch_tokens=512",
         "train.epochs=1", "train.ttt_steps=2", "train.batch_size=2", "train.draft_vocab_size=512",
         "train.log_every=1", "eval.max_prompts=2", "eval.max_new_tokens=16", "eval.draft_steps=3"]
 

@@ -143,7 +143,7 @@ def test_planned_parameter_counts_are_the_drafters(dc):
 
 
 def test_shard_bytes_per_token_match_the_layout():
-    assert shard_bytes_per_token(4096, "bfloat16") == 8 * 4096 + 5  # ids int32 + mask u8 + 4H bf16
+    assert shard_bytes_per_token(4096, "bf16") == 8 * 4096 + 5  # ids int32 + mask u8 + 4H bf16
     assert shard_bytes_per_token(7168, "fp8_e4m3") == 4 * 7168 + 5 + 16  # + 4 fp32 scales
 
 

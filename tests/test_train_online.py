@@ -1,7 +1,7 @@
 """train.source=online: the target captures each batch in the training process, no shards on disk.
 
 On the same conversations with the same seed, online training must train the drafter offline training
-trains on fp32 shards (extract.dtype=float32: bf16 shards would round aux/final, online captures are
+trains on fp32 shards (extract.dtype=fp32: bf16 shards would round aux/final, online captures are
 not rounded), because both capture with core/hidden_capture.py and feed the same collate/teacher/TTT
 path. Tiny random target, CPU, stages in-process.
 """
@@ -21,7 +21,7 @@ from train.data import ShardSource, collate
 from train.online import OnlineSource
 
 # fp32 everywhere, so the two modes compute the same numbers; lr/epochs so that acc_0 rises well above 0
-SETTINGS = ["extract.dtype=float32", "extract.mixed_precision=no", "train.mixed_precision=no",
+SETTINGS = ["extract.dtype=fp32", "extract.mixed_precision=fp32", "train.mixed_precision=fp32",
             "train.wandb_mode=disabled", "train.epochs=6", "train.lr=3e-3"]
 
 
@@ -98,7 +98,7 @@ def test_online_writes_no_shards_and_records_its_source(runs):
     for d in ("train", "drafter"):
         m = json.loads((online.run_path / d / "manifest.json").read_text())
         assert m["settings"]["online"] == {"conversations": conv["fingerprint"], "aux_layers": [1, 2, 3],
-                                           "target.dtype": "float32", "capture_precision": "no"}
+                                           "target.dtype": "fp32", "capture_precision": "fp32"}
         assert "hidden" not in m["settings"] and m["inputs"] == {"conversations": str(online.run_path / "conversations")}
         assert m["compat"]["aux_layers"] == [1, 2, 3]
     m = json.loads((offline.run_path / "train/manifest.json").read_text())

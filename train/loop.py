@@ -101,7 +101,7 @@ def make_accelerator(cfg: RunConfig, train_dir: Path) -> Accelerator:
     if not torch.cuda.is_available():  # DeepSpeed, imported by Accelerate when installed, else warns on every CPU run
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     accelerator = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available(),
-                              mixed_precision=resolve_precision(tc.mixed_precision),
+                              mixed_precision="bf16" if resolve_precision(tc.mixed_precision) == "bf16" else "no",
                               log_with="wandb" if tc.wandb_mode != "disabled" else None, project_dir=str(train_dir))
     launched = accelerate_launch_processes()
     if launched > accelerator.num_processes:
@@ -109,6 +109,11 @@ def make_accelerator(cfg: RunConfig, train_dir: Path) -> Accelerator:
                         "process(es): without GPUs it needs --multi_gpu to start several (CPU processes then "
                         f"train as one gloo group), or use `torchrun --nproc_per_node {launched} -m train ...`")
     return accelerator
+
+
+def autocast_of(accelerator: Accelerator) -> str:
+    """The precision the run trains in, in the config's words: "bf16" or "fp32" (Accelerate says "no")."""
+    return "bf16" if accelerator.mixed_precision == "bf16" else "fp32"
 
 
 def accelerate_launch_processes() -> int:
@@ -193,7 +198,7 @@ def make_optimizer(params: list[torch.Tensor], tc: TrainConfig) -> torch.optim.O
 def open_run(cfg: RunConfig, accelerator: Accelerator, source, fresh: bool):
     """Log where this run trains, and (main process) ready train/ and drafter/ for its settings."""
     train_dir, out = cfg.run_path / "train", cfg.run_path / "drafter"
-    precision = accelerator.mixed_precision
+    precision = autocast_of(accelerator)
     settings = training_settings(cfg, source, precision)
     runtime = {"world_size": accelerator.num_processes, "device": str(accelerator.device),
                "distributed": str(accelerator.distributed_type), "torch_threads": torch.get_num_threads()}
@@ -239,9 +244,9 @@ def main(cfg: RunConfig, fresh: bool = False) -> Path:
 
 
 def check_weight_precision(kernels: TrainKernels, accelerator: Accelerator) -> None:
-    if kernels.bf16_weights and accelerator.mixed_precision != "bf16":
+    if kernels.bf16_weights and autocast_of(accelerator) != "bf16":
         raise UserError(f"train.kernels.bf16_weights = true needs bf16 training: train.mixed_precision resolved to "
-                        f"{accelerator.mixed_precision!r} here; set train.mixed_precision=bf16 or "
+                        f"{autocast_of(accelerator)!r} here; set train.mixed_precision=bf16 or "
                         "train.kernels.bf16_weights=false")
     if kernels.bf16_weights and accelerator.state.deepspeed_plugin is not None:
         raise UserError("train.kernels.bf16_weights = true: DeepSpeed keeps its own fp32 masters of bf16 weights; "
@@ -312,7 +317,7 @@ def ready_drafter(cfg: RunConfig, accelerator: Accelerator, drafter: Eagle3Draft
     raw_rms, fc_input_rms = aux_rms(source.aux_samples(), str(source.dir), drafter.input_norm)
     with torch.no_grad():
         drafter.aux_scale.copy_(fc_input_rms)
-    precision = accelerator.mixed_precision
+    precision = autocast_of(accelerator)
     frozen_to_matmul_dtype(drafter, precision)
     if cfg.train.kernels.bf16_weights:
         weights_to_bf16(drafter)
