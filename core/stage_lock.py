@@ -1,8 +1,10 @@
-"""One writer per stage dir: an OS lock (flock) on <dir>/.lock.
+"""One writer per stage dir, and no writer while a later stage reads it: OS locks (flock) on <dir>/.lock.
 
-The kernel drops the lock when its process dies, so a kill -9 never leaves a stale lock behind,
-and a second writer fails at once with the holder's pid, host and command instead of interleaving
-its rows with the first one's.
+A writer holds it exclusively, a reader (train reading hidden/ or conversations/, extract reading
+conversations/) shared. The kernel drops a lock when its process dies, so a kill -9 never leaves a stale
+lock behind. A second writer fails at once with the holder's pid, host and command instead of interleaving
+its rows with the first one's; a writer (`--fresh` included) fails while a reader holds the dir, so it cannot
+delete or rewrite what another stage is reading; a reader fails while a writer holds it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ def stage_lock(directory: str | Path, stage: str):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that is starting"
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
         os.close(fd)
+        if not holder:  # readers leave no line: the writer's is truncated when it ends
+            raise UserError(f"{directory} is being read by a later stage (train or extract): {stage} would change "
+                            "what it reads; wait for it to finish, stop it, or pass another --run-dir") from None
         raise UserError(f"{directory} is being written by another {stage} ({holder}); one writer per stage dir: "
                         "wait for it, stop it, or pass another --run-dir") from None
     try:
@@ -45,3 +50,24 @@ def stage_lock(directory: str | Path, stage: str):
             os.unlink(directory / LOCK_FILE)
             directory.rmdir()
         os.close(fd)  # closing the last descriptor releases the flock
+
+
+@contextmanager
+def stage_reader(directory: str | Path, reader: str):
+    """Hold `directory` (a finished stage's output) shared while `reader` reads it: its writer cannot start
+    (nor `--fresh` delete it) meanwhile, and a writer still at work stops the reader at once, naming it."""
+    directory = Path(directory)
+    if not directory.is_dir():  # the reader's own check names what is missing
+        yield
+        return
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that is starting"
+            raise UserError(f"{directory} is being written ({holder}): {reader} reads it only once that stage has "
+                            "finished; wait for it, or stop it and rerun that stage") from None
+        yield
+    finally:
+        os.close(fd)

@@ -22,7 +22,7 @@ from core.errors import UserError
 from core.hidden_capture import capture_compat, extract_batch
 from core.hidden_shards import ShardWriter
 from core.manifest import IN_PROGRESS, open_stage_dir, write_manifest
-from core.stage_lock import stage_lock
+from core.stage_lock import stage_lock, stage_reader
 from core.target import load_target, resolve_precision, target_info
 from extract.hf_engine import batches_by_tokens
 from extract.sglang_client import SGLangExtractor
@@ -32,7 +32,7 @@ log = logging.getLogger("extract")
 
 def main(cfg: RunConfig, fresh: bool = False) -> Path:
     out = cfg.run_path / "hidden"
-    with stage_lock(out, "extract"):
+    with stage_reader(cfg.run_path / "conversations", "extract"), stage_lock(out, "extract"):
         return extract(cfg, out, fresh)
 
 

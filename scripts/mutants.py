@@ -337,6 +337,12 @@ MUTANTS = [
     Mutant("V10", "a full disk reported in a writer's own words (safetensors) stays a traceback", "core/cli.py",
            "        if free is None or free > FULL_DISK_BYTES:", "        if True:",
            ("tests/test_run_integrity.py::test_a_disk_that_fills_while_training_writes_is_one_line",)),
+    Mutant("V11", "extract reads conversations/ while data_gen still writes it (no reader lock)", "extract/run.py",
+           'stage_reader(cfg.run_path / "conversations", "extract"), ', "",
+           ("tests/test_run_integrity.py::test_a_stage_does_not_read_what_its_upstream_is_still_writing",)),
+    Mutant("V12", "`extract --fresh` deletes the shards a running train reads (train takes no reader lock)",
+           "train/loop.py", 'with stage_reader(data, "train"), ', "with ",
+           ("tests/test_run_integrity.py::test_a_second_train_in_the_same_run_dir_fails_at_once_naming_the_first",)),
 ]
 
 

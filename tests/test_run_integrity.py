@@ -139,7 +139,10 @@ def test_extract_refuses_conversations_regenerated_with_other_settings(run):
 # 4. one writer per stage dir ---------------------------------------------------------------------
 
 def test_a_second_train_in_the_same_run_dir_fails_at_once_naming_the_first(run):
+    """While a train runs: a second train fails naming the first; `extract --fresh` (and a plain extract) cannot
+    delete or rewrite the shards it reads (issue 50, case 9), and the train goes on."""
     run_dir, flags = run
+    hidden_before = files_of(run_dir / "hidden")
     first = subprocess.Popen([sys.executable, "-m", "train", *flags, "--fresh", "train.epochs=300"], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -147,10 +150,26 @@ def test_a_second_train_in_the_same_run_dir_fails_at_once_naming_the_first(run):
         wait_until(lambda: lock.is_file() and f"pid {first.pid}" in lock.read_text(), "the first train's lock",
                    timeout=120)
         one_line_error(run_stage("train", *flags, check=False), "train", f"pid {first.pid}", "one writer")
+        for fresh in (["--fresh"], []):
+            one_line_error(run_stage("extract", *flags, *fresh, check=False), "extract",
+                           f"{run_dir / 'hidden'} is being read by a later stage", "wait for it to finish")
+        assert files_of(run_dir / "hidden") == hidden_before
         assert first.poll() is None  # the first one goes on
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
+
+
+def test_a_stage_does_not_read_what_its_upstream_is_still_writing(run):
+    """A writer at work on conversations/ (its lock held, as data_gen holds it): extract and online train stop at
+    once naming it, before reading a part."""
+    from core.stage_lock import stage_lock
+
+    run_dir, flags = run
+    with stage_lock(run_dir / "conversations", "data_gen"):
+        for stage, extra in (("extract", []), ("train", ["train.source=online", "--fresh"])):
+            one_line_error(run_stage(stage, *flags, *extra, check=False), stage,
+                           f"{run_dir / 'conversations'} is being written (pid", "only once that stage has finished")
 
 
 # 6. multi-process training on CPU (torchrun and accelerate launch --multi_gpu: tests/test_resume.py) -------

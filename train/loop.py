@@ -28,7 +28,7 @@ from core.config import RunConfig, TrainConfig, TrainKernels, to_dict
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.errors import UserError
 from core.manifest import open_stage_dir, write_manifest
-from core.stage_lock import stage_lock
+from core.stage_lock import stage_lock, stage_reader
 from core.target import TargetHead, load_target_embeddings, read_target_config, resolve_precision, target_info
 from train.attention_check import check_merged_attention
 from train.checkpoint import load_checkpoint, read_latest, trim_logs
@@ -239,7 +239,8 @@ def export(cfg: RunConfig, drafter: Eagle3Drafter, source, step: int, coverage: 
 def main(cfg: RunConfig, fresh: bool = False) -> Path:
     train_dir = cfg.run_path / "train"
     accelerator = make_accelerator(cfg, train_dir)
-    with stage_lock(train_dir, "train") if accelerator.is_main_process else nullcontext():
+    data = cfg.run_path / ("hidden" if cfg.train.source == "offline" else "conversations")  # every rank reads it
+    with stage_reader(data, "train"), stage_lock(train_dir, "train") if accelerator.is_main_process else nullcontext():
         return train(cfg, accelerator, train_dir, fresh)
 
 
