@@ -20,7 +20,7 @@ from core.chat import eval_prompt_ids  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.decode import generate  # noqa: E402
 from core.draft_tree import TreeSpec  # noqa: E402
-from core.speculative import speculative_generate  # noqa: E402
+from core.speculative import Drafting, speculative_generate  # noqa: E402
 from eval.run import load_engine  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def main() -> int:
     model, tok, drafter, stop = load_engine(cfg, args.drafter)
     n = args.max_new_tokens
     items = eval_prompt_ids(cfg, tok, args.prompts)
-    speculative_generate(model, drafter, items[0][1], 4, stop, 2, TreeSpec(2, 2, 3))  # warm-up
+    speculative_generate(model, drafter, items[0][1], 4, stop, Drafting(2, TreeSpec(2, 2, 3)))  # warm-up
     base, t_base = timed_tokens(lambda ids: generate(model, [ids], n, stop)[0].tokens, items)
     base_tps = sum(map(len, base)) / t_base
     print(f"baseline: {base_tps:.1f} tok/s, {len(items)} prompts x <= {n} tokens ({args.prompts or 'heldout'})")
@@ -55,8 +55,8 @@ def main() -> int:
         if tree.total != k:
             raise SystemExit(f"--pairs {pair}: tree total {tree.total} != chain K {k}: not the same drafted tokens")
         for name, spec in ((f"chain K={k}", None), (f"tree depth {tree.depth}, top-{tree.topk}", tree)):
-            outs, t = timed_tokens(lambda ids, spec=spec, k=k: speculative_generate(model, drafter, ids, n, stop, k,
-                                                                                   spec), items)
+            outs, t = timed_tokens(lambda ids, spec=spec, k=k: speculative_generate(model, drafter, ids, n, stop,
+                                                                                   Drafting(k, spec)), items)
             lengths = [a for o in outs for a in o.accept_lengths]
             depth = spec.depth if spec else k
             pos = " ".join(f"{sum(a > i + 1 for a in lengths) / len(lengths):.2f}" for i in range(depth))

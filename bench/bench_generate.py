@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.benchmark import copy_bandwidth, measured, sync, timed  # noqa: E402
 from core.config import load_config  # noqa: E402
-from core.decode import bf16_copy, generate, left_padded, new_cache, prefill  # noqa: E402
+from core.decode import DecodeRun, bf16_copy, generate, left_padded, new_cache, prefill  # noqa: E402
 from core.decode_step import FUSE_MODES  # noqa: E402
 from core.errors import UserError  # noqa: E402
 from core.target import load_target  # noqa: E402
@@ -51,11 +51,11 @@ def bound_seconds(model, lengths: list[int], new: int, bandwidth: float) -> floa
 def one_path(model, path: str, prompts: list[list[int]], new: int, decoder=None):
     """-> a function generating the tokens of every row along `path` (bf16: `decoder` runs the steps)."""
     if path == "bf16":
-        return lambda: [g.tokens for g in generate(model, prompts, new, [], bf16_prefill=True, decode_model=decoder)]
+        return lambda: [g.tokens for g in generate(model, prompts, new, [], run=DecodeRun(bf16_prefill=True, decode_model=decoder))]
     if path != "hf":
         fuse = path if path in FUSE_MODES else ""
         graphs = path == "graphs" or (bool(fuse) and model.device.type == "cuda")
-        return lambda: [g.tokens for g in generate(model, prompts, new, [], graphs=graphs, fuse=fuse)]
+        return lambda: [g.tokens for g in generate(model, prompts, new, [], run=DecodeRun(graphs=graphs, fuse=fuse))]
     ids, mask, _ = left_padded(prompts, model.device)
     return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                   pad_token_id=0)[:, ids.shape[1]:].tolist()

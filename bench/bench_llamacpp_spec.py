@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.chat import eval_prompt_ids  # noqa: E402
 from core.config import load_config  # noqa: E402
-from core.speculative import acceptance_length, speculative_generate  # noqa: E402
+from core.speculative import Drafting, acceptance_length, speculative_generate  # noqa: E402
 from core.target import (  # noqa: E402
     cache_root,
     resolve_target,
@@ -124,7 +124,7 @@ def main() -> int:
     ours = {}  # (K, p_min) -> τ over the verifications that drafted, as llama.cpp counts
     for k, p_min in [] if args.no_ours else [(k, p) for p in p_mins for k in ks]:
         ours[k, p_min] = acceptance_length([a for _, ids in items for a in speculative_generate(
-            model, drafter, ids, n, stop, k, p_min=p_min).drafting_rounds()])
+            model, drafter, ids, n, stop, Drafting(k, p_min=p_min)).drafting_rounds()])
     with tmp, contextlib.ExitStack() as stack:
         specs = []  # (label, gguf, k, p_min, drafter, flags): one speculative server each, all up beside the base
         for d in drafters:

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.config import load_config  # noqa: E402
 from core.decode import decode_one, generate, new_cache, prefill, verify  # noqa: E402
-from core.speculative import draft_chain  # noqa: E402
+from core.speculative import Drafting, draft_chain  # noqa: E402
 from core.target import load_target  # noqa: E402
 
 
@@ -126,7 +126,7 @@ def bench_decode(cfg, model, prompt_len=128, new=64, k=5):
 
         def drafts():
             dcache.rollback(prompt_len)
-            draft_chain(d, logits[:, -1], h[:, -1:], prompt_len, k, dcache)
+            draft_chain(d, logits[:, -1], h[:, -1:], prompt_len, dcache, Drafting(k))
 
         t_tok, t_ver, t_draft = (timed(f, device, repeats=7) for f in (one_token, one_verify, drafts))
     cycle = t_ver + t_draft

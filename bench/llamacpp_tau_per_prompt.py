@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.chat import eval_prompt_ids  # noqa: E402
 from core.config import load_config  # noqa: E402
-from core.speculative import speculative_generate  # noqa: E402
+from core.speculative import Drafting, speculative_generate  # noqa: E402
 from eval.llamacpp_server import complete, served_by_llamacpp, spec_counters  # noqa: E402
 from eval.report import common_prefix  # noqa: E402
 from eval.run import load_engine  # noqa: E402
@@ -64,7 +64,7 @@ def main() -> int:
         print("| prompt | ours = llama.cpp base | llama.cpp spec = base | first differing token | τ ours | τ llama.cpp |\n"
               "|---|---|---|---|---|---|", flush=True)
         for pid, ids in items:
-            ours = speculative_generate(model, drafter, ids, args.max_new_tokens, stop, args.k, p_min=args.p_min)
+            ours = speculative_generate(model, drafter, ids, args.max_new_tokens, stop, Drafting(args.k, p_min=args.p_min))
             base_ids = complete(base, ids, args.max_new_tokens)["tokens"]
             before = spec_counters(spec)
             theirs = complete(spec, ids, args.max_new_tokens)["tokens"]

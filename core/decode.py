@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache, StaticCache
@@ -125,6 +126,29 @@ def _prefill_groups(model, cache: StaticCache, ids, mask, pos, rows: int, bf16: 
     return torch.cat(logits)
 
 
+class Sampling(NamedTuple):
+    """How a token is drawn: temperature 0 = greedy (argmax); generator: the draws' RNG (None: the global one)."""
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
+
+
+GREEDY = Sampling()
+
+
+class DecodeRun(NamedTuple):
+    """How `generate` runs its steps, never what they decode: bf16_prefill: the prompt pass under bf16 autocast;
+    graphs: each step replayed as a CUDA graph; fuse: "" | "fused" | "exact": the step through torch.compile first
+    (core/decode_step.py); decode_model: the same target in another dtype (data_gen's bf16 copy: 2.3x faster
+    decode steps on a CPU with native bf16) running the steps after the prefill (needs bf16_prefill)."""
+    bf16_prefill: bool = False
+    graphs: bool = False
+    fuse: str = ""
+    decode_model: object = None
+
+
+EAGER = DecodeRun()
+
+
 def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
     """Each row's next token from its logits [..., V]: the argmax at T <= 0, else a draw from softmax(logits / T)."""
     if temperature <= 0:
@@ -153,30 +177,27 @@ def _finished(tokens: list[int], stop_ids: set[int]) -> Generation:
 
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-             temperature: float = 0.0, generator: torch.Generator | None = None,
-             bf16_prefill: bool = False, graphs: bool = False, check_every: int = 16,
-             fuse: str = "", decode_model=None) -> list[Generation]:
-    """Batched generation with left padding: prefill, then one `DecodeStep` per token (graphs: replayed
-    as a CUDA graph; fuse: "fused" or "exact" through torch.compile first, core/decode_step.py) until every row has hit a
-    stop id (kept in its tokens) or max_new_tokens. Batch 1 is eval's greedy baseline. Tokens stay on
-    the device until the end, and "is every row done?" is asked only every `check_every` steps (each
-    ask waits for the device); rows keep decoding past their stop meanwhile, and those tokens are
-    dropped. At T>0 the generator is then wound back to where a loop that stops at once would leave it,
-    so neither check_every nor graphs changes what is drawn next (generator=None: the global RNG is not
-    wound back). decode_model: the same target in another dtype (data_gen's bf16 copy: 2.3x faster decode
-    steps on a CPU with native bf16) runs the steps after `model`'s bf16 prefill."""
+             sampling: Sampling = GREEDY, run: DecodeRun = EAGER, check_every: int = 16) -> list[Generation]:
+    """Batched generation with left padding: prefill, then one `DecodeStep` per token (run: `DecodeRun`) until
+    every row has hit a stop id (kept in its tokens) or max_new_tokens. Batch 1 is eval's greedy baseline.
+    Tokens stay on the device until the end, and "is every row done?" is asked only every `check_every` steps
+    (each ask waits for the device); rows keep decoding past their stop meanwhile, and those tokens are
+    dropped. At T>0 the generator is then wound back to where a loop that stops at once would leave it, so
+    neither check_every nor graphs changes what is drawn next (generator None: the global RNG is not wound
+    back)."""
+    temperature, generator = sampling
     if max_new_tokens < 1 or check_every < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens}, check_every = {check_every}; both must be >= 1")
-    if decode_model is not None and not bf16_prefill:
+    if run.decode_model is not None and not run.bf16_prefill:
         raise ValueError("decode_model needs bf16_prefill: only that prompt pass stores its K/V in another dtype")
-    decoder = decode_model if decode_model is not None else model
+    decoder = run.decode_model if run.decode_model is not None else model
     device = model.device
     ids, mask, pos = left_padded(prompts, device)
     b, width = ids.shape
     cache = new_cache(decoder, width + max_new_tokens)
-    logits, _ = prefill(model, cache, ids, mask, pos, bf16=bf16_prefill, cache_dtype=decoder.dtype)
-    step = DecodeStep(decoder, cache, torch.cat([mask, mask.new_ones(b, max_new_tokens)], 1), pos[:, -1:] + 1, graphs,
-                      fuse)
+    logits, _ = prefill(model, cache, ids, mask, pos, bf16=run.bf16_prefill, cache_dtype=decoder.dtype)
+    step = DecodeStep(decoder, cache, torch.cat([mask, mask.new_ones(b, max_new_tokens)], 1), pos[:, -1:] + 1,
+                      run.graphs, run.fuse)
     out = torch.empty(b, max_new_tokens, dtype=torch.long, device=device)
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
     states, since = [], 0  # the generator's state after each draw since the last check, from step `since`

@@ -7,12 +7,22 @@ its K/V in its static `DraftCache`, rolled back after each round like the target
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers import StaticCache
 
-from core.decode import Generation, new_cache, prefill, sample_token, target_forward, verify
+from core.decode import GREEDY, Generation, Sampling, new_cache, prefill, sample_token, target_forward, verify
 from core.draft_tree import DraftTree, TreeSpec, draft_tree
 from core.drafter import DraftCache, Eagle3Drafter
+
+
+class Drafting(NamedTuple):
+    """What is drafted per verification: a chain of up to `steps` tokens, ended early at a draft whose
+    `draft_confidence` is below p_min (greedy chain, as llama.cpp's --spec-draft-p-min), or an EAGLE-2 tree."""
+    steps: int
+    tree: TreeSpec | None = None
+    p_min: float = 0.0
 
 
 def draft_confidence(logits: torch.Tensor) -> float:
@@ -22,14 +32,14 @@ def draft_confidence(logits: torch.Tensor) -> float:
     return float(torch.softmax(top, -1)[0])
 
 
-def draft_chain(drafter: Eagle3Drafter, logits: torch.Tensor, hidden: torch.Tensor, m: int, steps: int,
-                cache: DraftCache, temperature: float = 0.0, generator: torch.Generator | None = None,
-                p_min: float = 0.0):
+def draft_chain(drafter: Eagle3Drafter, logits: torch.Tensor, hidden: torch.Tensor, m: int, cache: DraftCache,
+                drafting: Drafting, sampling: Sampling = GREEDY):
     """Up to K drafts from the drafter's output at position m-1 (logits [1,Vd], hidden [1,1,H]): draft j
     is fed back at position m+j to propose draft j+1 (training's step j+1, train/ttt_loss.py). Greedy at
     T=0, where p_min > 0 ends the chain at the first draft whose `draft_confidence` is below it (no
     verify row spent on a likely reject); at T>0 each draft is sampled from q = softmax(logits/T),
     returned per draft for the acceptance test -> (drafts in target ids, [q_j over the draft vocab] or None)."""
+    (steps, _, p_min), (temperature, generator) = drafting, sampling
     drafts, qs = [], []
     for j in range(steps):
         if p_min > 0 and draft_confidence(logits[0]) < p_min:
@@ -48,11 +58,12 @@ def draft_chain(drafter: Eagle3Drafter, logits: torch.Tensor, hidden: torch.Tens
 
 
 def accept_sampled(drafts: list[int], qs: list[torch.Tensor], logits: torch.Tensor, drafter: Eagle3Drafter,
-                   temperature: float, generator: torch.Generator | None) -> tuple[int, int]:
+                   sampling: Sampling) -> tuple[int, int]:
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): keep draft j with probability
     min(1, p_j(x)/q_j(x)); at the first rejection sample from max(p_j - q_j, 0), renormalised; if all
     K survive, sample the bonus from p_K. Every emitted token is then distributed exactly as the
     target samples it at temperature T. -> (drafts accepted, the next token)."""
+    temperature, generator = sampling
     p = torch.softmax(logits.float() / temperature, -1)  # [K+1, V]
     if not drafts:
         return 0, int(torch.multinomial(p[0], 1, generator=generator)[0])
@@ -122,15 +133,14 @@ def acceptance_length(accept_lengths: list[int]) -> float:
 
 @torch.inference_mode()
 def speculative_generate(model, drafter: Eagle3Drafter, prompt: list[int], max_new_tokens: int,
-                         stop_ids: list[int], draft_steps: int, tree: TreeSpec | None = None,
-                         temperature: float = 0.0, generator: torch.Generator | None = None,
-                         p_min: float = 0.0) -> Generation:
+                         stop_ids: list[int], drafting: Drafting, sampling: Sampling = GREEDY) -> Generation:
     """Speculative decoding (batch 1): draft a chain of K tokens (or an EAGLE-2 tree), verify them in
     one target forward, keep what the target agrees with plus the target's own next token. At T=0 the
     output equals greedy decoding; at T>0 (chain only) it is distributed as the target's sampling.
     p_min > 0 (greedy chain) stops drafting at an unsure draft, as llama.cpp does; a round with no
     draft is a plain target step. A round that accepts a stop id ends generation: nothing after it is
     emitted or counted."""
+    (draft_steps, tree, p_min), temperature = drafting, sampling.temperature
     if max_new_tokens < 1 or draft_steps < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens}, draft_steps = {draft_steps}; both must be >= 1")
     if tree is not None and temperature > 0:
@@ -143,7 +153,7 @@ def speculative_generate(model, drafter: Eagle3Drafter, prompt: list[int], max_n
     cache = new_cache(model, max_len)
     dcache = DraftCache(max_len + (tree.depth * tree.topk if tree else 0))
     logits, aux = prefill(model, cache, torch.tensor([prompt], device=device), aux_layers=aux_layers)
-    out = [int(sample_token(logits, temperature, generator)[0])]
+    out = [int(sample_token(logits, *sampling)[0])]
     m = len(prompt)  # position of out[-1], the newest token, not yet run through the target
     accept_lengths, drafted = [], []
     # The drafter reads (aux_t, token_{t+1}) at positions 0..m-1.
@@ -153,11 +163,11 @@ def speculative_generate(model, drafter: Eagle3Drafter, prompt: list[int], max_n
         if tree is None:
             # no more drafts than the budget can emit beside the target's own token (llama.cpp's cap too)
             steps = min(draft_steps, max_new_tokens - len(out) - 1)
-            drafts, qs = draft_chain(drafter, d_logits[:, -1], h[:, -1:], m, steps, dcache, temperature,
-                                     generator, p_min)
+            drafts, qs = draft_chain(drafter, d_logits[:, -1], h[:, -1:], m, dcache, drafting._replace(steps=steps),
+                                     sampling)
             logits, aux = verify(model, cache, [out[-1], *drafts], m, aux_layers)
             if temperature > 0:
-                a, nxt = accept_sampled(drafts, qs, logits, drafter, temperature, generator)
+                a, nxt = accept_sampled(drafts, qs, logits, drafter, sampling)
             else:
                 verdict = logits.argmax(-1).tolist()
                 a = next((j for j in range(len(drafts)) if drafts[j] != verdict[j]), len(drafts))

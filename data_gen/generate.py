@@ -28,6 +28,7 @@ from core.atomic_io import atomic_write_json, remove_partial_writes
 from core.chat import fitting_prompts
 from core.config import RunConfig
 from core.conversations import done_ids, template_hash, write_part
+from core.decode import DecodeRun
 from core.decode_step import FUSE_MODES
 from core.errors import UserError
 from core.manifest import IN_PROGRESS, open_stage_dir, write_manifest
@@ -200,8 +201,8 @@ def open_backend(cfg: RunConfig) -> tuple:
     graphs, fuse = decode_options(dg, model.device)
     log.info("hf backend on %s: decode steps %s%s", model.device, "as CUDA graphs" if graphs else "eager",
              f", fused by torch.compile ({fuse})" if fuse else "")
-    return tok, eot, HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, cfg.seed,
-                               resolve_precision(dg.mixed_precision) == "bf16", graphs, fuse)
+    run = DecodeRun(bf16_prefill=resolve_precision(dg.mixed_precision) == "bf16", graphs=graphs, fuse=fuse)
+    return tok, eot, HFBackend(model, tok, stop, dg.max_new_tokens, dg.temperature, cfg.seed, run)
 
 
 def regenerate(dg, chosen) -> list[Regeneration]:

@@ -4,26 +4,25 @@ from __future__ import annotations
 
 import torch
 
-from core.decode import bf16_copy, generate
+from core.decode import EAGER, DecodeRun, Sampling, bf16_copy, generate
 from core.errors import UserError
 from data_gen.openai_client import Reply
 
 
 class HFBackend:
     def __init__(self, model, tokenizer, stop_ids: list[int], max_new_tokens: int, temperature: float,
-                 seed: int, bf16_prefill: bool, graphs: bool, fuse: str = ""):
-        self.model, self.tok, self.stop_ids, self.bf16_prefill = model, tokenizer, stop_ids, bf16_prefill
-        self.graphs, self.fuse = graphs, fuse
+                 seed: int, run: DecodeRun = EAGER):
+        self.model, self.tok, self.stop_ids = model, tokenizer, stop_ids
         # bf16: the decode steps run a bf16 copy of the weights (a step is matmul-bound at data_gen's batch
         # sizes: 375 -> 166 ms at 128 rows on 2 AVX512-BF16 cores); the prompt pass stays under autocast
-        self.decoder = bf16_copy(model) if bf16_prefill and model.dtype != torch.bfloat16 else None
+        copy = bf16_copy(model) if run.bf16_prefill and model.dtype != torch.bfloat16 else None
+        self.run = run._replace(decode_model=copy)
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.rng = torch.Generator(device=model.device).manual_seed(seed)
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, rng: torch.Generator):
         try:
-            return generate(self.model, prompts, max_new_tokens, self.stop_ids, temperature, rng,
-                            self.bf16_prefill, self.graphs, fuse=self.fuse, decode_model=self.decoder)
+            return generate(self.model, prompts, max_new_tokens, self.stop_ids, Sampling(temperature, rng), self.run)
         except torch.OutOfMemoryError as e:  # memory grows with rows x (context + new tokens): say which knob
             raise UserError(f"data_gen: out of {self.model.device.type} memory answering {len(prompts)} prompts of up "
                             f"to {max(map(len, prompts))} tokens (+ {max_new_tokens} new): lower "

@@ -28,12 +28,12 @@ from core import trained_prompts
 from core.chat import eval_prompt_ids
 from core.config import RunConfig, check_ranges, to_dict
 from core.cpu_linear import split_cpu_linears
-from core.decode import generate
+from core.decode import Sampling, generate
 from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
 from core.errors import UserError
 from core.manifest import check_compat, git_sha, read_manifest, write_manifest
-from core.speculative import speculative_generate
+from core.speculative import Drafting, speculative_generate
 from core.stage_lock import stage_lock
 from core.target import (
     end_of_turn_ids,
@@ -102,15 +102,17 @@ def hf_eval(cfg: RunConfig, items: list[tuple[str, list[int]]], draft_dir: Path)
     tree = TreeSpec(*ev.draft_tree) if ev.draft_tree else None
     g = torch.Generator(model.device).manual_seed(cfg.seed)
 
+    drafting, sampling = Drafting(k, tree, ev.draft_p_min), Sampling(t, g)
+
     def spec(ids, budget):
-        return speculative_generate(model, drafter, ids, budget, stop, k, tree, t, g, ev.draft_p_min)
+        return speculative_generate(model, drafter, ids, budget, stop, drafting, sampling)
 
     # warm-up (allocator, kernels) kept out of the timings
     generate(model, [items[0][1]], 4, stop)
     spec(items[0][1], 4)
     results = []
     for pid, ids in tqdm(items, desc="eval (hf engine)", unit="prompt"):
-        base, t_base = _timed(lambda ids=ids: generate(model, [ids], n, stop, t, g)[0])
+        base, t_base = _timed(lambda ids=ids: generate(model, [ids], n, stop, sampling)[0])
         out, t_spec = _timed(lambda ids=ids: spec(ids, n))
         results.append({"id": pid, "prompt_tokens": len(ids), "tokens": len(out.tokens),
                         "match": base.tokens == out.tokens if t == 0 else None,

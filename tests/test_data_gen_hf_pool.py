@@ -176,7 +176,7 @@ def test_out_of_memory_names_the_batch_and_the_knobs(monkeypatch):
 
     monkeypatch.setattr(hf_backend, "generate", out_of_memory)
     model = type("Model", (), {"device": torch.device("cpu")})()
-    backend = hf_backend.HFBackend(model, None, [0], 256, 0.0, 0, False, False)
+    backend = hf_backend.HFBackend(model, None, [0], 256, 0.0, 0)
     with pytest.raises(UserError, match=r"answering 2 prompts of up to 5 tokens \(\+ 256 new\): lower "
                                         r"data_gen.batch_size or data_gen.max_context_tokens"):
         backend.answer([[1, 2, 3], [1, 2, 3, 4, 5]])

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from core.chat import prompt_ids
-from core.decode import bf16_copy, generate
+from core.decode import DecodeRun, Sampling, bf16_copy, generate
 from core.drafter import DrafterConfig, Eagle3Drafter
-from core.speculative import draft_confidence, speculative_generate
+from core.speculative import Drafting, draft_confidence, speculative_generate
 from core.target import end_of_turn_ids, load_target
 from eval.report import common_prefix, summarize, write_report
 
@@ -55,19 +55,19 @@ def test_bf16_prefill_continues_the_fp32_cache_correctly():
     prompts = [prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
     stop = end_of_turn_ids(tok, model.generation_config)
     fp32 = generate(model, prompts, 16, stop)
-    bf16 = generate(model, prompts, 16, stop, bf16_prefill=True)  # fp32 steps: mostly fp32 greedy's very tokens
+    bf16 = generate(model, prompts, 16, stop, run=DecodeRun(bf16_prefill=True))  # fp32 steps: mostly fp32 greedy's very tokens
     agree = [next((i for i, (a, b) in enumerate(zip(x.tokens, y.tokens, strict=False)) if a != b), len(x.tokens))
              for x, y in zip(fp32, bf16, strict=True)]
     assert sum(agree) >= 0.8 * sum(len(x.tokens) for x in fp32) and min(agree) >= 4, agree
     for decoder in (None, bf16_copy(model)):
-        for p, g in zip(prompts, generate(model, prompts, 16, stop, bf16_prefill=True, decode_model=decoder),
+        for p, g in zip(prompts, generate(model, prompts, 16, stop, run=DecodeRun(bf16_prefill=True, decode_model=decoder)),
                         strict=True):
             with torch.no_grad():  # fp32 logits at every generated position, teacher-forced
                 logits = model(torch.tensor([p + g.tokens])).logits[0, len(p) - 1:-1]
             gap = logits.max(-1).values - logits.gather(-1, torch.tensor(g.tokens)[:, None])[:, 0]
             assert len(g.tokens) >= 8 and float(gap.max()) < 0.5, (decoder is None, gap.tolist())
     with pytest.raises(ValueError, match="decode_model needs bf16_prefill"):
-        generate(model, prompts, 4, stop, decode_model=bf16_copy(model))
+        generate(model, prompts, 4, stop, run=DecodeRun(decode_model=bf16_copy(model)))
 
 
 def test_speculative_equals_greedy_with_untrained_drafter(target):
@@ -76,7 +76,7 @@ def test_speculative_equals_greedy_with_untrained_drafter(target):
     d = untrained_drafter(model, [1, n // 2, n - 1])
     for p in prompts:
         greedy = generate(model, [p], 20, stop)[0]
-        spec = speculative_generate(model, d, p, 20, stop, draft_steps=3)
+        spec = speculative_generate(model, d, p, 20, stop, Drafting(3))
         assert spec.tokens == greedy.tokens and spec.finish_reason == greedy.finish_reason
         assert 1 + sum(spec.accept_lengths) == len(spec.tokens) and all(1 <= a <= 4 for a in spec.accept_lengths)
 
@@ -104,7 +104,7 @@ def test_scripted_partial_accepts_give_exact_lengths_and_per_position_acceptance
     greedy = generate(model, [prompts[1]], n_new + 8, [])[0].tokens
     d = untrained_drafter(model, [1, 2, 3])
     scripted(d, greedy, plan, k, model.config.vocab_size)
-    spec = speculative_generate(model, d, prompts[1], n_new, [], draft_steps=k)
+    spec = speculative_generate(model, d, prompts[1], n_new, [], Drafting(k))
     assert spec.tokens == greedy[:n_new] and spec.accept_lengths == [3, 1, 4, 2]
     assert spec.drafted == [k] * (len(plan) - 1) + [1]  # the last round's budget: 2 tokens, so 1 draft
     r = summarize([{"id": "p", "tokens": len(spec.tokens), "accept_lengths": spec.accept_lengths, "match": True,
@@ -141,7 +141,7 @@ def test_p_min_stops_each_chain_at_the_first_unsure_draft(target, monkeypatch, t
     d = untrained_drafter(model, [1, 2, 3])
     right = iter([greedy[1 + sum(x + 1 for x in drafted[:r]) + j] for r, x in enumerate(drafted) for j in range(x)])
     d.draft_to_target = lambda _i: torch.tensor(next(right))  # every draft the target's own token
-    spec = speculative_generate(model, d, prompts[0], n_new, [], draft_steps=k, p_min=0.5)
+    spec = speculative_generate(model, d, prompts[0], n_new, [], Drafting(k, p_min=0.5))
     assert spec.tokens == greedy[:n_new]
     assert spec.drafted == drafted and spec.accept_lengths == [x + 1 for x in drafted]
     assert spec.drafting_rounds() == [3, 4, 2, 4]  # the rounds τ counts
@@ -157,7 +157,7 @@ def test_p_min_stops_each_chain_at_the_first_unsure_draft(target, monkeypatch, t
                        "time_baseline_s": 1.0, "time_spec_s": 1.0, "baseline_tokens": 3}], k, p_min=0.99)
     assert none["acceptance_length"] == 1.0 and none["drafting_share"] == 0  # plain steps only: τ 1, not 0
     with pytest.raises(ValueError, match="greedy chain"):
-        speculative_generate(model, d, prompts[0], 4, [], draft_steps=k, temperature=1.0, p_min=0.5)
+        speculative_generate(model, d, prompts[0], 4, [], Drafting(k, p_min=0.5), Sampling(1.0))
 
 
 def test_accepted_stop_id_ends_generation_and_no_later_round_counts(target):
@@ -170,7 +170,7 @@ def test_accepted_stop_id_ends_generation_and_no_later_round_counts(target):
     stop = [greedy[i]]
     d = untrained_drafter(model, [1, 2, 3])
     scripted(d, greedy, [k] * 4, k, model.config.vocab_size)  # every draft right: round 1 proposes greedy[1:5]
-    spec = speculative_generate(model, d, prompts[2], 24, stop, draft_steps=k)
+    spec = speculative_generate(model, d, prompts[2], 24, stop, Drafting(k))
     assert spec.tokens == generate(model, [prompts[2]], 24, stop)[0].tokens == greedy[: i + 1]
     assert spec.finish_reason == "stop" and spec.accept_lengths == [i]
 

@@ -12,7 +12,7 @@ from core.chat import prompt_ids
 from core.config import load_config
 from core.decode import generate
 from core.hidden_capture import extract_batch
-from core.speculative import speculative_generate
+from core.speculative import Drafting, speculative_generate
 from core.target import load_target, load_target_embeddings
 from tests.conftest import ROOT
 from train.draft_vocab import build_draft_vocab
@@ -78,7 +78,7 @@ def test_ttt_step_outputs_equal_decode_time_drafts(seq, monkeypatch):
 
     monkeypatch.setattr(drafter, "draft_to_target", oracle)
     outputs.clear()
-    out = speculative_generate(model, drafter, prompt, len(answer), [], K)
+    out = speculative_generate(model, drafter, prompt, len(answer), [], Drafting(K))
     assert out.tokens == answer and out.accept_lengths[:-1] == [K + 1] * (len(out.accept_lengths) - 1)
     decode = list(outputs)
     tol = {"rtol": 1e-3, "atol": 2e-3}  # aux from one batched pass vs from incremental verifications
@@ -116,7 +116,7 @@ def test_overfit_one_sequence_then_decode_accepts_nearly_every_draft(seq):
         loss.backward()
         opt.step()
     assert bool((acc == 1).all()), f"no overfit in 300 steps: acc_k {acc.tolist()}"
-    out = speculative_generate(model, drafter.eval(), prompt, len(answer), [], K)
+    out = speculative_generate(model, drafter.eval(), prompt, len(answer), [], Drafting(K))
     assert out.tokens == answer
     full_rounds = out.accept_lengths[:-1]  # the last round is cut to what fits in max_new_tokens
     assert sum(full_rounds) >= (K + 1) * len(full_rounds) - 1, out.accept_lengths

@@ -8,7 +8,7 @@ import torch
 import core.decode_step
 from core.chat import prompt_ids
 from core.config import load_config
-from core.decode import decode_one, generate, new_cache, prefill
+from core.decode import DecodeRun, Sampling, decode_one, generate, new_cache, prefill
 from core.target import load_target
 from data_gen.generate import decode_options, generation_settings
 from tests.conftest import ROOT
@@ -121,7 +121,7 @@ def test_sampling_draws_as_the_plain_loop_and_leaves_the_generator_where_it_woul
     want = plain_generate(model, prompts, 16, stop, 1.0, plain_rng)
     assert max(len(t) for t in want) == 10 and len({len(t) for t in want}) > 2
     rng = torch.Generator(model.device).manual_seed(3)
-    assert [g.tokens for g in generate(model, prompts, 16, stop, 1.0, rng, check_every=check_every)] == want
+    assert [g.tokens for g in generate(model, prompts, 16, stop, Sampling(1.0, rng), check_every=check_every)] == want
     assert torch.equal(rng.get_state(), plain_rng.get_state())
 
 
@@ -131,10 +131,10 @@ def test_cuda_graph_replay_writes_the_eager_tokens(tiny):
     model, _ = load_target(load_config(ROOT / "configs/tiny-random-llama.yaml"), torch.device("cuda"))
     stop = stops_at(plain_generate(model, prompts, 24, []), {0: 3, 1: 10})
     eager = generate(model, prompts, 24, stop)
-    assert [g.tokens for g in generate(model, prompts, 24, stop, graphs=True)] == [g.tokens for g in eager]
+    assert [g.tokens for g in generate(model, prompts, 24, stop, run=DecodeRun(graphs=True))] == [g.tokens for g in eager]
     assert [len(g.tokens) for g in eager][:2] == [4, 11]
     rngs = [torch.Generator("cuda").manual_seed(5) for _ in range(2)]
-    sampled = [[g.tokens for g in generate(model, prompts, 24, stop, 1.0, rng, graphs=graphs)]
+    sampled = [[g.tokens for g in generate(model, prompts, 24, stop, Sampling(1.0, rng), DecodeRun(graphs=graphs))]
                for rng, graphs in zip(rngs, (False, True), strict=True)]
     assert sampled[0] == sampled[1] and torch.equal(rngs[0].get_state(), rngs[1].get_state())
 
@@ -166,7 +166,7 @@ def test_fused_decode_steps_run_compiled_and_write_the_plain_loops_tokens(tiny, 
     stop = stops_at(plain_generate(model, prompts, 12, []), {0: 3})
     want = plain_generate(model, prompts, 12, stop)
     for _ in range(2):  # a second call reuses the compiled step
-        assert [g.tokens for g in generate(model, prompts, 12, stop, fuse="fused")] == want
+        assert [g.tokens for g in generate(model, prompts, 12, stop, run=DecodeRun(fuse="fused"))] == want
     assert core.decode_step._fused_forward.cache_info().misses == 1
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # a graph was captured, not skipped
 
@@ -191,11 +191,11 @@ def test_a_finished_call_frees_its_cache_at_once(tiny, monkeypatch, fuse):
 
     monkeypatch.setattr(core.decode, "new_cache", recorded)
     if fuse:  # compiling holds the first call's cache in dynamo's own cyclic garbage: once, not per batch
-        generate(model, prompts, 6, [], fuse=fuse)
+        generate(model, prompts, 6, [], run=DecodeRun(fuse=fuse))
     gc.collect()
     gc.disable()
     try:
-        generate(model, prompts, 6, [], fuse=fuse)
+        generate(model, prompts, 6, [], run=DecodeRun(fuse=fuse))
         freed = weakref.ref(made.pop())
         assert freed() is None
     finally:
@@ -222,7 +222,7 @@ def test_exact_fusion_leaves_what_inductor_rounds_differently_to_aten(monkeypatc
     monkeypatch.setattr(core.decode_step, "FUSE_BACKEND", recording)
     core.decode_step._fused_forward.cache_clear()
     torch._dynamo.reset()
-    assert [g.tokens for g in generate(model, prompts, 6, [], fuse="exact")] == want
+    assert [g.tokens for g in generate(model, prompts, 6, [], run=DecodeRun(fuse="exact"))] == want
     ops = set().union(*graphs)
     for kept_out in ("rsqrt", "mean", "silu", "cos", "sin"):
         assert not [o for o in ops if kept_out in o], kept_out

@@ -153,7 +153,7 @@ def test_llamacpp_stops_drafting_where_our_engine_stops_at_p_min(served):
     top 10) is below p_min, ours by the same rule (core.speculative.draft_confidence). Per prompt whose greedy text
     both engines share, the drafts llama.cpp verified and accepted (timings.draft_n, draft_n_accepted) must
     equal ours on >= 90% of them, and p_min must have stopped chains in both (so the rule is exercised)."""
-    from core.speculative import speculative_generate
+    from core.speculative import Drafting, speculative_generate
     from eval.run import load_engine
 
     cfg, run_dir, prompts, report = served
@@ -161,7 +161,7 @@ def test_llamacpp_stops_drafting_where_our_engine_stops_at_p_min(served):
     model, tok, drafter, stop = load_engine(cfg, run_dir / "drafter")
     n, k, p_min = report["server"]["max_new_tokens"], 3, 0.9
     items = [(i, ids) for i, ids in eval_prompt_ids(cfg, tok, str(prompts)) if i in shared]
-    ours = {i: speculative_generate(model, drafter, ids, n, stop, k, p_min=p_min) for i, ids in items}
+    ours = {i: speculative_generate(model, drafter, ids, n, stop, Drafting(k, p_min=p_min)) for i, ids in items}
     target, gguf = served_ggufs(run_dir)
     with LlamaServer(server_binary(cache_root(cfg)), target, gguf, k=k, p_min=p_min) as url:
         rows = run_level(url, items, n, 1, "llamacpp")["rows"]

@@ -13,11 +13,11 @@ import torch
 
 import core.speculative as speculative
 from core.chat import eval_prompt_ids
-from core.decode import generate
+from core.decode import Sampling, generate
 from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
 from core.errors import UserError
-from core.speculative import speculative_generate
+from core.speculative import Drafting, speculative_generate
 from core.target import end_of_turn_ids, load_target, load_target_embeddings, load_tokenizer, target_info
 from tests.conftest import ROOT, run_stage
 
@@ -60,7 +60,7 @@ def test_tree_at_t0_writes_the_greedy_output(engine, greedy_outputs, spec, monke
         range(start, start + len(slots)))), compact(c, slots, start)))
     lengths = []
     for i, (p, greedy) in enumerate(zip(trained + heldout, greedy_outputs, strict=True)):
-        out = speculative_generate(model, drafter, p, 20, stop, draft_steps=3, tree=spec)
+        out = speculative_generate(model, drafter, p, 20, stop, Drafting(3, spec))
         assert out.tokens == greedy.tokens and out.finish_reason == greedy.finish_reason
         assert 1 + sum(out.accept_lengths) == len(out.tokens) and max(out.accept_lengths) <= spec.depth + 1
         lengths += out.accept_lengths if i < len(trained) else []
@@ -121,7 +121,7 @@ def test_speculative_sampling_at_t1_keeps_the_target_distribution(engine, drafte
     answers, accepted = [], Counter()
     with torch.inference_mode():
         for _ in range(n):
-            out = speculative_generate(model, drafter, prompt, 4, [], draft_steps=2, temperature=1.0, generator=g)
+            out = speculative_generate(model, drafter, prompt, 4, [], Drafting(2), Sampling(1.0, g))
             accepted[out.accept_lengths[0]] += 1
             answers.append(out.tokens)
         # the target's logits at answer positions 2-4, in batches (every sequence has the same length)

@@ -15,7 +15,7 @@ from core.chat import eval_prompt_ids
 from core.config import RunConfig
 from core.cpu_linear import split_cpu_linears
 from core.drafter import Eagle3Drafter
-from core.speculative import acceptance_length, speculative_generate
+from core.speculative import Drafting, acceptance_length, speculative_generate
 from core.target import end_of_turn_ids, load_target, load_tokenizer
 
 
@@ -45,6 +45,6 @@ class TauProbe:
         lengths = []
         for _, ids in self.items:
             out = speculative_generate(self.model, draft, ids, self.cfg.train.tau_new_tokens, self.stop,
-                                       self.cfg.eval.draft_steps, p_min=self.cfg.eval.draft_p_min)
+                                       Drafting(self.cfg.eval.draft_steps, p_min=self.cfg.eval.draft_p_min))
             lengths += out.drafting_rounds()
         return acceptance_length(lengths)
