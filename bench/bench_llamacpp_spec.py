@@ -46,6 +46,7 @@ from core.target import (  # noqa: E402
 from eval.llamacpp import convert_drafter, convert_to_gguf, llamacpp_tree  # noqa: E402
 from eval.llamacpp_server import (  # noqa: E402
     LlamaServer,
+    SpecDraft,
     build_server,
     spec_counters,
     target_gguf_choice,
@@ -135,7 +136,7 @@ def main() -> int:
                     label = f"{Path(d).name} {outtype} ({gguf.stat().st_size / 1e6:.1f} MB){' ' + flags if flags else ''}"
                     specs += [(label, gguf, k, p, d, tuple(flags.split())) for p in p_mins for k in ks]
         urls = [stack.enter_context(LlamaServer(binary, target_gguf, parallel=slots, extra_args=extra))]
-        urls += [stack.enter_context(LlamaServer(binary, target_gguf, g, k=k, p_min=p, parallel=slots,
+        urls += [stack.enter_context(LlamaServer(binary, target_gguf, SpecDraft(g, k, p), parallel=slots,
                                                  extra_args=extra + flags))
                  for _, g, k, p, _, flags in specs]
         runs = []  # per level: (results, counters before, counters after)

@@ -20,7 +20,7 @@ from core.config import RunConfig
 from core.errors import UserError
 from data_gen.chat_tokenize import ThinkingStyle
 from data_gen.conversation import Regeneration, request_ids
-from data_gen.openai_client import ChatClient, Reply, RequestRejected, RetriesExhausted
+from data_gen.openai_client import ChatClient, Reply, RequestRejected, Retries, RetriesExhausted
 from data_gen.self_prompts import MAX_TURN_TOKENS
 
 log = logging.getLogger("data_gen")
@@ -34,9 +34,8 @@ def chat_client(cfg: RunConfig) -> ChatClient:
         params["stop"] = dg.stop
     if dg.chat_template_kwargs:  # SGLang and vLLM pass these to the template (e.g. enable_thinking)
         params["chat_template_kwargs"] = dg.chat_template_kwargs
-    return ChatClient(dg.base_url, dg.model_name or cfg.target.model, api_key, timeout=dg.request_timeout,
-                      max_retries=dg.max_retries, backoff_base=dg.backoff_base, backoff_max=dg.backoff_max,
-                      params=params, seed=cfg.seed)
+    retries = Retries(dg.request_timeout, dg.max_retries, dg.backoff_base, dg.backoff_max)
+    return ChatClient(dg.base_url, dg.model_name or cfg.target.model, api_key, retries, params, seed=cfg.seed)
 
 
 def openai_user_turns(cfg: RunConfig, header: str, index: int) -> list[str | None]:

@@ -17,6 +17,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import httpx
 
@@ -98,17 +99,25 @@ def parse_text_completion(body: bytes) -> Reply:
     return Reply(text, "", str(finish), tokens)
 
 
+class Retries(NamedTuple):
+    """How long one request may take and how a failed one is retried (data_gen.request_timeout, max_retries,
+    backoff_base, backoff_max)."""
+    timeout: float
+    max_retries: int
+    backoff_base: float
+    backoff_max: float
+
+
 class ChatClient:
     """One shared connection pool; `complete` is safe to call from many tasks at once."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None, *, timeout: float, max_retries: int,
-                 backoff_base: float, backoff_max: float, params: dict, seed: int = 0):
+    def __init__(self, base_url: str, model: str, api_key: str | None, retries: Retries, params: dict, seed: int = 0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.text_url = base_url.rstrip("/") + "/completions"
-        self.model, self.params, self.max_retries = model, params, max_retries
-        self.backoff_base, self.backoff_max = backoff_base, backoff_max
-        self.client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout),
+        self.model, self.params, self.max_retries = model, params, retries.max_retries
+        self.backoff_base, self.backoff_max = retries.backoff_base, retries.backoff_max
+        self.client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(retries.timeout),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.rng = random.Random(seed)
         self.errors: Counter[str] = Counter()  # transient failures seen (each was retried)

@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -72,27 +73,33 @@ def server_threads(threads: int | None = None) -> int:
     return threads or env_threads() or 2
 
 
-class LlamaServer:
-    """`with LlamaServer(binary, target_gguf, draft_gguf=..., k=5) as url:` a llama-server on a free
-    loopback port, ready (/health 200) on entry, stopped on exit. draft_gguf=None: the base server.
-    `parallel` slots of `ctx` tokens each; chat requests use the GGUF's own template (--jinja);
-    `threads` compute threads (server_threads: None = $OMP_NUM_THREADS, else 2). p_min 0: always K drafts
-    (τ comparable with our engine's chain); > 0: llama.cpp stops drafting at a draft whose probability is
+class SpecDraft(NamedTuple):
+    """The drafter a speculative llama-server serves: its GGUF, K drafts per verification, and p_min: 0 = always
+    K (τ comparable with our engine's chain); > 0: llama.cpp stops drafting at a draft whose probability is
     below it (no draft at all: a plain decode step), its own way of spending less on unsure drafts."""
+    gguf: Path
+    k: int = 5
+    p_min: float = 0.0
 
-    def __init__(self, binary: Path, target_gguf: Path, draft_gguf: Path | None = None, k: int = 5,
-                 threads: int | None = None, parallel: int = 1, ctx: int = 4096, timeout: float = 120.0,
-                 p_min: float = 0.0, extra_args: tuple[str, ...] = ()):
+
+class LlamaServer:
+    """`with LlamaServer(binary, target_gguf, SpecDraft(drafter_gguf, k=5)) as url:` a llama-server on a free
+    loopback port, ready (/health 200) on entry, stopped on exit. draft None: the base server.
+    `parallel` slots of `ctx` tokens each; chat requests use the GGUF's own template (--jinja);
+    `threads` compute threads (server_threads: None = $OMP_NUM_THREADS, else 2)."""
+
+    def __init__(self, binary: Path, target_gguf: Path, draft: SpecDraft | None = None, threads: int | None = None,
+                 parallel: int = 1, ctx: int = 4096, timeout: float = 120.0, extra_args: tuple[str, ...] = ()):
         self.port, self.timeout = _free_port(), timeout
         threads = server_threads(threads)
         self.cmd = [str(binary), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(self.port), "--jinja",
                     "--metrics", "-np", str(parallel), "-c", str(ctx * parallel), "-t", str(threads)]
-        if draft_gguf is not None:
+        if draft is not None:
             # draft tokens sampled on the host, not in the drafter's graph: with several slots drafting at once,
             # b11434's in-graph sampling cut depth-1 acceptance from 0.45 to 0.17 (4 in flight, MT-Bench, the
             # seventh drafter); on the host it stays 0.45, and at 1 in flight τ and speed are the same either way
-            self.cmd += ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
-                         "--spec-draft-p-min", str(p_min), "--no-spec-draft-backend-sampling"]
+            self.cmd += ["-md", str(draft.gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft.k),
+                         "--spec-draft-p-min", str(draft.p_min), "--no-spec-draft-backend-sampling"]
         self.cmd += list(extra_args)  # any other llama-server flags, e.g. ("-fa", "on")
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -193,7 +200,7 @@ def served_by_llamacpp(cfg, draft_dir: Path, work_dir: Path, parallel: int):
     log.info("llama.cpp: target %s, drafter %s (aux layers %s), K=%d, p_min %g, %d slots", target, draft_gguf,
              gguf_target_layers(draft_gguf), ev.draft_steps, ev.draft_p_min, parallel)
     with (LlamaServer(binary, target, parallel=parallel) as base,
-          LlamaServer(binary, target, draft_gguf, k=ev.draft_steps, parallel=parallel, p_min=ev.draft_p_min) as spec):
+          LlamaServer(binary, target, SpecDraft(draft_gguf, ev.draft_steps, ev.draft_p_min), parallel=parallel) as spec):
         yield base, spec
 
 

@@ -21,7 +21,7 @@ import pytest
 from core.chat import eval_prompt_ids
 from core.target import cache_root, load_tokenizer, resolve_target
 from eval.llamacpp import convert_drafter, gguf_target_layers, llamacpp_tree
-from eval.llamacpp_server import LlamaServer, server_binary
+from eval.llamacpp_server import LlamaServer, SpecDraft, server_binary
 from eval.server_eval import run_level
 from tests.conftest import run_stage
 
@@ -127,20 +127,20 @@ def test_aux_layers_read_one_off_break_the_agreement(served, tmp_path):
     items = [(i, ids) for i, ids in eval_prompt_ids(cfg, load_tokenizer(cfg), str(prompts)) if i in ours]
     assert len(items) == len(ours)
     target = run_dir / "eval/llamacpp/target-f32.gguf"
-    with LlamaServer(server_binary(cache), target, gguf, k=3) as url:
+    with LlamaServer(server_binary(cache), target, SpecDraft(gguf, k=3)) as url:
         theirs = llamacpp_accepted(run_level(url, items, 16, 1, "llamacpp")["rows"])
     assert sum(theirs.values()) < 0.8 * sum(ours.values()), (theirs, ours)
 
 
 def test_p_min_reaches_llamacpp_and_keeps_its_outputs(served):
-    """LlamaServer(p_min=...) is llama.cpp's own early stop: a draft whose probability is below p_min ends
+    """SpecDraft(p_min=...) is llama.cpp's own early stop: a draft whose probability is below p_min ends
     the chain. Above 1 no draft can pass, so the speculative server must draft nothing and still write
     what it writes with drafts (p_min 0, `served`'s level 1); this fails if the value never reaches it."""
     cfg, run_dir, prompts, report = served
     cache = cache_root(cfg)
     items = eval_prompt_ids(cfg, load_tokenizer(cfg), str(prompts))
     target, gguf = served_ggufs(run_dir)
-    with LlamaServer(server_binary(cache), target, gguf, k=3, p_min=1.01) as url:
+    with LlamaServer(server_binary(cache), target, SpecDraft(gguf, k=3, p_min=1.01)) as url:
         rows = run_level(url, items, report["server"]["max_new_tokens"], 1, "llamacpp")["rows"]
     assert sum(r["timings"].get("draft_n", 0) for r in rows) == 0  # llama.cpp leaves the key out when it drafted nothing
     level1 = report["server"]["levels"][0]["spec"]["rows"]
@@ -163,7 +163,7 @@ def test_llamacpp_stops_drafting_where_our_engine_stops_at_p_min(served):
     items = [(i, ids) for i, ids in eval_prompt_ids(cfg, tok, str(prompts)) if i in shared]
     ours = {i: speculative_generate(model, drafter, ids, n, stop, Drafting(k, p_min=p_min)) for i, ids in items}
     target, gguf = served_ggufs(run_dir)
-    with LlamaServer(server_binary(cache_root(cfg)), target, gguf, k=k, p_min=p_min) as url:
+    with LlamaServer(server_binary(cache_root(cfg)), target, SpecDraft(gguf, k, p_min)) as url:
         rows = run_level(url, items, n, 1, "llamacpp")["rows"]
     theirs = {r["id"]: (r["timings"].get("draft_n", 0), r["timings"].get("draft_n_accepted", 0)) for r in rows}
     mine = {i: (sum(g.drafted), sum(a - 1 for a in g.accept_lengths)) for i, g in ours.items()}
@@ -206,7 +206,7 @@ def test_one_server_at_a_time_reports_what_the_paired_run_reports(served, tmp_pa
     base = json.loads((out / "passes/base.json").read_text())
     assert base["levels"]["1"] == first["levels"]["1"] and list(base["levels"]) == ["1", "2"]  # level 1 kept
     assert not (out / "report.json").exists() and base["models"]  # no report until both passes ran
-    with LlamaServer(binary, target, gguf, k=3, parallel=2) as url:
+    with LlamaServer(binary, target, SpecDraft(gguf, k=3), parallel=2) as url:
         run_stage("eval", *flags, "--pass", "spec", "--spec", url, "--concurrency", "1,2")
     report = json.loads((out / "report.json").read_text())
     assert report["server"]["one_server_at_a_time"]["base"]["server"]["models"] == base["models"]

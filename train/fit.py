@@ -51,7 +51,7 @@ class Fit:
     train_dir: Path
     step_batches: int  # batches per optimizer step at the run's first launch
     accum: int  # micro-batches per rank per step in this launch
-    export: Callable[[int, int], None]  # (step, epoch): train.loop.export of the drafter after that epoch, rank 0
+    export: Callable[[int, int], None]  # (step, epoch): train.loop.Exporter on the drafter after that epoch, rank 0
     window: dict | None = None  # per-step metric sums since the last log line
     records: list = field(default_factory=list)  # train.log_samples rows of this step, this rank
 

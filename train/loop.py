@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -214,26 +215,36 @@ def open_run(cfg: RunConfig, accelerator: Accelerator, source, fresh: bool):
     return settings, runtime
 
 
-def export(cfg: RunConfig, drafter: Eagle3Drafter, source, step: int, coverage: float, settings: dict,
-           runtime: dict, records: dict[str, dict], epoch: int | None = None) -> None:
-    """The SGLang-format drafter with its records (the draft tokens' counts for `python -m train.prune_vocab`, the
-    trained prompts' digests for eval) and its manifest (its target, which eval checks); at the run's end (epoch None) into drafter/, with curves.png and
-    train/'s manifest; after an epoch (train.epoch_drafters) into train/epochs/epoch-N."""
-    train_dir = cfg.run_path / "train"
-    out = cfg.run_path / "drafter" if epoch is None else train_dir / "epochs" / f"epoch-{epoch}"
-    drafter.save_pretrained(out)
-    for name, record in records.items():  # the draft tokens' counts, the trained prompts' digests
-        atomic_write_json(out / name, record)
-    rows = read_jsonl(train_dir / "metrics.jsonl")
-    if epoch is None:
-        plot_curves(rows, train_dir / "curves.png")
-    last = (rows or [{}])[-1]
-    compat = {key: source.compat[key] for key in ("target", "hidden_size", "vocab_size", "aux_layers")}
-    counts = {"steps": step, "draft_vocab_coverage": coverage, "final_metrics": last,
-              **({} if epoch is None else {"epoch": epoch})}
-    for d in (out,) if epoch is not None else (out, train_dir):
-        write_manifest(d, "train", cfg, compat, counts, source.inputs, settings, {"runtime": runtime})
-    log.info("drafter exported to %s (final %s)", out, {k: round(v, 4) for k, v in last.items()})
+@dataclass
+class Exporter:
+    """Writes the SGLang-format drafter with its records (the draft tokens' counts for `python -m
+    train.prune_vocab`, the trained prompts' digests for eval) and its manifest (its target, which eval checks):
+    at the run's end (epoch None) into drafter/, with curves.png and train/'s manifest; after an epoch
+    (train.epoch_drafters) into train/epochs/epoch-N."""
+    cfg: RunConfig
+    source: object  # ShardSource | OnlineSource: compat and inputs for the manifest
+    coverage: float  # the draft vocab's share of the assistant tokens
+    settings: dict
+    runtime: dict
+    records: dict[str, dict]
+
+    def __call__(self, drafter: Eagle3Drafter, step: int, epoch: int | None = None) -> None:
+        cfg, source = self.cfg, self.source
+        train_dir = cfg.run_path / "train"
+        out = cfg.run_path / "drafter" if epoch is None else train_dir / "epochs" / f"epoch-{epoch}"
+        drafter.save_pretrained(out)
+        for name, record in self.records.items():
+            atomic_write_json(out / name, record)
+        rows = read_jsonl(train_dir / "metrics.jsonl")
+        if epoch is None:
+            plot_curves(rows, train_dir / "curves.png")
+        last = (rows or [{}])[-1]
+        compat = {key: source.compat[key] for key in ("target", "hidden_size", "vocab_size", "aux_layers")}
+        counts = {"steps": step, "draft_vocab_coverage": self.coverage, "final_metrics": last,
+                  **({} if epoch is None else {"epoch": epoch})}
+        for d in (out,) if epoch is not None else (out, train_dir):
+            write_manifest(d, "train", cfg, compat, counts, source.inputs, self.settings, {"runtime": self.runtime})
+        log.info("drafter exported to %s (final %s)", out, {k: round(v, 4) for k, v in last.items()})
 
 
 def main(cfg: RunConfig, fresh: bool = False) -> Path:
@@ -293,9 +304,10 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     records = {COUNTS_FILE: counts_record(draft_ids, counts[draft_ids], "assistant tokens of the training samples"),
                trained_prompts.FILE: trained_prompts.record(prompts)}
 
+    exporter = Exporter(cfg, source, coverage, settings, runtime, records)
+
     def export_at(step: int, epoch: int | None = None) -> None:
-        export(cfg, accelerator.unwrap_model(objective).drafter, source, step, coverage, settings, runtime,
-               records, epoch)
+        exporter(accelerator.unwrap_model(objective).drafter, step, epoch)
 
     probe = TauProbe(cfg, source.model if tc.source == "online" and tc.tau_every else None)  # one target copy
     f = Fit(cfg=cfg, accelerator=accelerator, objective=objective, opt=opt, source=source, ds=ds, probe=probe,
