@@ -20,7 +20,7 @@ steps pruned to the rows a later step counts (TTTObjective's prune_rows), KM1-KM
 put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V10 issue 50's unfinished upstream,
 conversations part checksums, logs of a run killed before its first checkpoint and eval on training prompts, the lossless check, loss decay
 and gradient clipping in the gradient, RoPE's direction, the norms' placement and a full disk
-in safetensors' words.
+in safetensors' words, V11-V13 reader locks and the gradient between TTT steps.
 """
 
 from __future__ import annotations
@@ -343,6 +343,10 @@ MUTANTS = [
     Mutant("V12", "`extract --fresh` deletes the shards a running train reads (train takes no reader lock)",
            "train/loop.py", 'with stage_reader(data, "train"), ', "with ",
            ("tests/test_run_integrity.py::test_a_second_train_in_the_same_run_dir_fails_at_once_naming_the_first",)),
+    Mutant("V13", "each TTT step reads the previous step's hidden state detached (no gradient between steps)",
+           "train/ttt_loss.py", "        hiddens.append(drafter.norm(hidden))",
+           "        hiddens.append(drafter.norm(hidden))\n        hidden = hidden.detach()",
+           ("tests/test_drafter.py::test_ttt_gradient_equals_the_numerical_derivative",)),
 ]
 
 

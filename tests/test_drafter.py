@@ -16,7 +16,15 @@ from tests.sglang_source import (
     sglang_norm_before_fc,
 )
 from train.draft_vocab import build_draft_vocab, d2t_offsets
-from train.ttt_loss import Rows, TTTObjective, step_metrics, teacher_argmax, teacher_targets, ttt_loss
+from train.ttt_loss import (
+    Rows,
+    StepOptions,
+    TTTObjective,
+    step_metrics,
+    teacher_argmax,
+    teacher_targets,
+    ttt_loss,
+)
 
 B, T, H, V, VD = 2, 12, 32, 100, 40
 
@@ -292,3 +300,32 @@ def test_each_norm_takes_its_own_input_in_both_qkv_paths():
     with torch.no_grad():
         for q in (d.qkv(hidden, ids, pos)[0], d.qkv(hidden, None, pos, token_qkv=d.token_qkv(ids))[0]):
             torch.testing.assert_close(q, want.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [StepOptions(), StepOptions(loss_chunk=5), StepOptions(prune_rows=True)],
+                         ids=["plain", "fused head loss", "pruned rows"])
+def test_ttt_gradient_equals_the_numerical_derivative(options):
+    """The whole K=3 unroll in float64 weights (fp32 inside the norms and RoPE): autograd's directional derivative of the loss equals the central finite
+    difference along a random direction of every trainable weight. Each step reads the previous step's hidden
+    state, so a gradient cut there (a stray detach), or any step whose backward differs from its forward,
+    makes the two disagree."""
+    aux, ids, mask, final = batch()
+    d = make_drafter().double()
+    teacher = teacher_of(d, final.double(), mask, torch.randn(V, H, dtype=torch.float64) * 3)
+    rows = Rows(aux.double(), ids, mask)
+    params = [p for p in d.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(5)
+    direction = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    loss, _ = ttt_loss(d, rows, teacher, 3, 0.8, options)
+    analytic = sum((grad * v).sum() for grad, v in zip(torch.autograd.grad(loss, params), direction, strict=True))
+    eps, moved = 1e-4, []  # the norms and RoPE compute in fp32: a smaller step is rounding
+    with torch.no_grad():
+        for sign in (1, -1):
+            for p, v in zip(params, direction, strict=True):
+                p.add_(sign * eps * v)
+            moved.append(ttt_loss(d, rows, teacher, 3, 0.8, options)[0])
+            for p, v in zip(params, direction, strict=True):
+                p.sub_(sign * eps * v)
+    numerical = (moved[0] - moved[1]) / (2 * eps)
+    assert abs(analytic.item()) > 1e-3
+    assert analytic.item() == pytest.approx(numerical.item(), rel=1e-4)  # a gradient cut between steps: 40% off
