@@ -400,14 +400,19 @@ def test_every_optimizer_step_sees_gradients_clipped_to_grad_clip(run, monkeypat
 
 
 def test_a_train_run_refused_for_a_bad_value_leaves_nothing_that_blocks_the_corrected_one(run):
-    """A draft vocab larger than the target's is refused before any manifest is written, so the rerun with the value
-    fixed needs no --fresh (it used to find the refused run's settings and ask for one)."""
+    """A draft vocab larger than the target's, or kernels this device cannot run, are refused before any manifest
+    is written, so the rerun with the value fixed needs no --fresh (it used to find the refused run's settings
+    and ask for one)."""
     run_dir, flags = run
     shutil.rmtree(run_dir / "train")
     shutil.rmtree(run_dir / "drafter")
     one_line_error(run_stage("train", *flags, "train.draft_vocab_size=999999", check=False), "train",
                    "train.draft_vocab_size = 999999: must be in [1, 49152]")
     assert not (run_dir / "train/manifest.json").exists()
+    if not torch.cuda.is_available():
+        one_line_error(run_stage("train", *flags, "train.kernels.attention=flex", check=False), "train",
+                       "train.kernels.attention = flex needs a CUDA device")
+        assert not (run_dir / "train/manifest.json").exists()
     run_stage("train", *flags, "train.epochs=1")
     assert (run_dir / "drafter/model.safetensors").is_file()
 

@@ -267,8 +267,13 @@ def check_weight_precision(kernels: TrainKernels, accelerator: Accelerator) -> N
 
 def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool) -> Path:
     tc = cfg.train
-    check_draft_vocab_size(tc.draft_vocab_size, target_info(cfg).vocab_size)  # before any manifest is written
+    # the settings' checks, before any manifest is written: a corrected rerun needs no --fresh
+    check_draft_vocab_size(tc.draft_vocab_size, target_info(cfg).vocab_size)
     check_weight_precision(tc.kernels, accelerator)
+    shape = DrafterConfig.for_target(read_target_config(target_info(cfg).path), [], tc.draft_vocab_size)
+    options = step_options(tc.kernels, accelerator.device, shape)
+    if options.attention == "merged":  # its gradients against the dense path's, on this device
+        check_merged_attention(accelerator.device)
     source = SOURCES[tc.source](cfg, accelerator.device)
     settings, runtime = open_run(cfg, accelerator, source, fresh)
     accelerator.wait_for_everyone()
@@ -282,9 +287,6 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target)
     head = ready_drafter(cfg, accelerator, drafter, source, target.lm_head[draft_ids], t2d)
     ds = source.dataset(target, head.draft_head.dtype, tc.loss_on_prompt)
-    options = step_options(tc.kernels, accelerator.device, drafter.config)
-    if options.attention == "merged":  # its gradients against the dense path's, on this device
-        check_merged_attention(accelerator.device)
     objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, options)
     opt = make_optimizer([p for p in objective.parameters() if p.requires_grad], tc)
     ckpt_root = train_dir / "checkpoints"
