@@ -175,6 +175,12 @@ class TrainConfig:
     norm_before_fc: bool = _f(False, "EAGLE-3.1: an RMSNorm (weight input_norm, eps rms_norm_eps) over the concatenated "
                                      "[3H] aux features before fc; exported as config.json norm_before_fc, which "
                                      "SGLang 0.5.23 and llama.cpp b11434 read")
+    fc_norm: bool = _f(False, "EAGLE-3.1: an RMSNorm per [H] aux chunk (weights fc_norm.0-2) before fc; exported as "
+                              "config.json fc_norm, which SGLang 0.5.23 reads (llama.cpp b11434's converter does "
+                              "not: eval's llama.cpp export refuses such a drafter)")
+    norm_output: bool = _f(False, "EAGLE-3.1: each draft step after the first reads the previous step's normed "
+                                  "output norm(h2) instead of h2, in training and decoding; exported as config.json "
+                                  "norm_output, which SGLang 0.5.23 reads (llama.cpp b11434's converter does not)")
     init_lm_head_from_target: bool = _f(True, "start lm_head (and norm) from the target's rows of the draft vocab")
     freeze_lm_head: bool = _f(False, "keep that lm_head fixed (fewer trainable parameters for small data)")
     wandb_mode: str = _f("offline", "offline | online | disabled", choices=('offline', 'online', 'disabled'))

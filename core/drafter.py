@@ -5,10 +5,12 @@ Vd draft vocab, nh/nkv heads, d head dim.
 
     g        = fc(aux)                                   # [B,T,3Ht] -> [B,T,H]; first step only
              = fc(input_norm(aux))                       # with norm_before_fc (EAGLE-3.1)
+             = fc(cat(fc_norm[i](aux_i)))                # with fc_norm (EAGLE-3.1): each [Ht] chunk its own norm
     x        = cat(input_layernorm(embed(tok)), hidden_norm(g))       # [B,T,2H]
     h        = g + o_proj(attn(q, k, v of x))
     h2       = h + mlp(post_attention_layernorm(h))      # pre-norm output: the next step's input
-    logits   = lm_head(norm(h2))                         # [B,T,Vd]
+    logits   = lm_head(norm(h2))                         # [B,T,Vd]; with norm_output (EAGLE-3.1) the next
+                                                         # step's input is norm(h2)
 
 `aux_scale` is a fixed per-feature preconditioner for training only: target residual streams carry
 "massive activation" features (SmolLM2: RMS ~350 beside ~1), and with Adam's uniform step size
@@ -21,7 +23,9 @@ so a scale inside the norm could not be folded into any exported weight.
 `norm_before_fc` (EAGLE-3.1): an RMSNorm over the concatenated [3Ht] aux, weight `input_norm.weight`,
 eps rms_norm_eps; the names SGLang 0.5.23 (`model.input_norm`) and llama.cpp b11434's converter
 (`input_norm.weight` -> `enc.output_norm.weight`) load, both switched on by config.json's top-level
-`norm_before_fc`.
+`norm_before_fc`. `fc_norm` and `norm_output` (EAGLE-3.1, both off by default) are the config.json keys SGLang
+0.5.23's LlamaForCausalLMEagle3 reads (weights `fc_norm.{0,1,2}.weight`); llama.cpp b11434's converter reads
+neither, so its export refuses a drafter with either.
 
 Attention is left to the caller (`qkv` / `finish`), because training (TTT diagonal mask,
 train/ttt_loss.py) and decoding (KV cache, `forward` below) attend differently.
@@ -138,6 +142,7 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens.requires_grad_(False)  # the target's embedding, frozen
         # EAGLE-3.1 only; absent otherwise, so a plain drafter exports no tensor an engine won't load
         self.input_norm = RMSNorm(3 * c.target_hidden_size, c.rms_norm_eps) if c.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(3)) if c.fc_norm else None
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -162,9 +167,7 @@ class Eagle3Drafter(nn.Module):
         Returns q [B,nh,T,d], k/v [B,nkv,T,d] (RoPE applied) and the residual [B,T,H]."""
         c, layer = self.config, self.midlayer
         if hidden.shape[-1] == 3 * c.target_hidden_size and hidden.shape[-1] != c.hidden_size:
-            if self.input_norm is not None:
-                hidden = self.input_norm(hidden)
-            hidden = self.fc(hidden / self.aux_scale)  # aux_scale after the norm: see the module docstring
+            hidden = self.fc(self.fc_input(hidden) / self.aux_scale)  # aux_scale after the norms: module docstring
         b, t, h = hidden.shape
         a = layer.self_attn
         if token_qkv is None:
@@ -179,6 +182,19 @@ class Eagle3Drafter(nn.Module):
         v = v.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         return apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta), v, hidden
 
+    def fc_input(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., 3Ht] -> what fc reads (before aux_scale): through input_norm (norm_before_fc), then each [Ht]
+        chunk through its own fc_norm (SGLang's order when both are on)."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, aux.chunk(3, -1), strict=True)], -1)
+        return aux
+
+    def next_input(self, h2: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """What the next draft step reads: h2 (pre-norm), or norm(h2) = `normed` with norm_output."""
+        return normed if self.config.norm_output else h2
+
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn [B,nh,T,d] -> h2 [B,T,H], the pre-norm output the next step consumes."""
         layer = self.midlayer
@@ -192,12 +208,13 @@ class Eagle3Drafter(nn.Module):
     def forward(self, hidden, tokens, positions, cache: DraftCache, visible: torch.Tensor | None = None):
         """Decode-time step over T new positions (appended to the cache after its valid ones),
         attending causally to the cache plus themselves, or to the slots `visible` [T,max_len] names
-        (draft trees); -> (logits [B,T,Vd], h2 [B,T,H])."""
+        (draft trees); -> (logits [B,T,Vd], the next step's input [B,T,H]: `next_input`)."""
         q, k, v, residual = self.qkv(hidden, tokens, positions)
         k_all, v_all, mask = cache.append(k, v, visible)
         attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
         h2 = self.finish(attn, residual)
-        return self.logits(h2), h2
+        normed = self.norm(h2)
+        return self.lm_head(normed), self.next_input(h2, normed)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -29,10 +29,12 @@ class DrafterConfig:
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
     norm_before_fc: bool = False  # EAGLE-3.1: input_norm over the [3Ht] aux before fc
+    fc_norm: bool = False  # EAGLE-3.1: fc_norm.{0,1,2}, an RMSNorm over each [Ht] aux chunk before fc
+    norm_output: bool = False  # EAGLE-3.1: a step after the first reads norm(h2), not h2
 
     @classmethod
-    def for_target(cls, tc: dict, aux_layers: list[int], draft_vocab_size: int,
-                   norm_before_fc: bool = False) -> DrafterConfig:
+    def for_target(cls, tc: dict, aux_layers: list[int], draft_vocab_size: int, norm_before_fc: bool = False,
+                   fc_norm: bool = False, norm_output: bool = False) -> DrafterConfig:
         """The drafter train builds for a target: one Llama layer of the target's width, heads and MLP
         (tc = core.target.read_target_config: a MoE target's `intermediate_size` is its dense MLP's)."""
         hidden, heads = tc["hidden_size"], tc["num_attention_heads"]
@@ -46,7 +48,7 @@ class DrafterConfig:
             rms_norm_eps=tc.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope.get("rope_theta") or tc.get("rope_theta") or 10000.0),
             max_position_embeddings=tc.get("max_position_embeddings", 4096), hidden_act=tc.get("hidden_act", "silu"),
-            norm_before_fc=norm_before_fc)
+            norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output)
 
     def to_sglang(self) -> dict:
         """config.json SGLang (LlamaForCausalLMEagle3) and vLLM read."""
@@ -73,6 +75,9 @@ class DrafterConfig:
             cfg["target_hidden_size"] = self.target_hidden_size
         if self.norm_before_fc:  # top level: SGLang reads it there (or in eagle_config), llama.cpp only there
             cfg["norm_before_fc"] = True
+        for flag in ("fc_norm", "norm_output"):  # top level, where SGLang 0.5.23 reads them
+            if getattr(self, flag):
+                cfg[flag] = True
         return cfg
 
     @classmethod
@@ -103,12 +108,13 @@ class DrafterConfig:
             target_model_type=target_model_type, rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            hidden_act=cfg.get("hidden_act", "silu"), norm_before_fc=norm_before_fc)
+            hidden_act=cfg.get("hidden_act", "silu"), norm_before_fc=norm_before_fc,
+            fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm")), norm_output=bool(cfg.get("norm_output")))
 
 
 # Variants SGLang 0.5.23 switches on from config.json that our drafter does not implement: loading such a
 # drafter into our engine would silently evaluate another model, so it is refused.
-_UNSUPPORTED_FLAGS = ("fc_norm", "use_aux_norm", "norm_output", "norm_before_residual")
+_UNSUPPORTED_FLAGS = ("norm_before_residual",)
 
 
 def read_norm_before_fc(cfg: dict) -> bool:
@@ -117,7 +123,7 @@ def read_norm_before_fc(cfg: dict) -> bool:
     unsupported = [k for k in _UNSUPPORTED_FLAGS if cfg.get(k)]
     if unsupported:
         raise UserError(f"drafter config.json sets {unsupported}: an EAGLE-3 variant this project's drafter "
-                        "does not implement (only norm_before_fc is)")
+                        "does not implement (norm_before_fc, fc_norm and norm_output are)")
     nested = (cfg.get("eagle_config") or {}).get("norm_before_fc")
     top = cfg.get("norm_before_fc")
     if nested is not None and bool(nested) != bool(top):

@@ -79,11 +79,20 @@ def convert_to_gguf(tree: Path, model_dir: Path, out: Path, outtype: str = "f32"
     return atomic_write(out, run)
 
 
+LLAMACPP_IGNORES = ("fc_norm", "norm_output")  # drafter config.json keys convert_hf_to_gguf.py b11434 never reads
+
+
 def convert_drafter(tree: Path, drafter_dir: Path, target_dir: Path, out: Path, outtype: str = "f32") -> Path:
     """An exported drafter -> the GGUF that `llama-server --spec-type draft-eagle3` loads. Refuses a GGUF
     whose norm_before_fc is not the drafter's (SGLang's reading): llama-server would serve another model."""
+    config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    ignored = [flag for flag in LLAMACPP_IGNORES if config.get(flag)]
+    if ignored:
+        raise UserError(f"{drafter_dir}: a drafter with {' and '.join(ignored)} (EAGLE-3.1), which llama.cpp b11434's "
+                        "converter ignores: llama-server would serve another model; serve it with SGLang, or train "
+                        f"without {' / '.join('train.' + f for f in ignored)} for llama.cpp")
     gguf = convert_to_gguf(tree, drafter_dir, out, outtype, target_dir=target_dir)
-    want = read_norm_before_fc(json.loads((Path(drafter_dir) / "config.json").read_text()))
+    want = read_norm_before_fc(config)
     if gguf_norm_before_fc(gguf) != want:
         raise UserError(f"{gguf}: llama.cpp's converter wrote norm_before_fc = {not want}, but {drafter_dir} "
                         f"is a drafter with norm_before_fc = {want}: llama-server would serve another model")

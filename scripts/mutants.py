@@ -20,7 +20,8 @@ steps pruned to the rows a later step counts (TTTObjective's prune_rows), KM1-KM
 put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V10 issue 50's unfinished upstream,
 conversations part checksums, logs of a run killed before its first checkpoint and eval on training prompts, the lossless check, loss decay
 and gradient clipping in the gradient, RoPE's direction, the norms' placement and a full disk
-in safetensors' words, V11-V13 reader locks and the gradient between TTT steps.
+in safetensors' words, V11-V13 reader locks and the gradient between TTT
+steps, B6-B9 EAGLE-3.1's fc_norm and norm_output.
 """
 
 from __future__ import annotations
@@ -241,11 +242,11 @@ MUTANTS = [
     Mutant("B1", "norm_before_fc not written to config.json", "core/drafter_config.py",
            'cfg["norm_before_fc"] = True', "pass", NORM_FC),
     Mutant("B2", "aux_scale applied before input_norm (cannot be folded into fc on export)", "core/drafter.py",
-           "                hidden = self.input_norm(hidden)\n            hidden = self.fc(hidden / self.aux_scale)",
-           "                hidden = self.input_norm(hidden / self.aux_scale)\n            hidden = self.fc(hidden)",
+           "            hidden = self.fc(self.fc_input(hidden) / self.aux_scale)",
+           "            hidden = self.fc(self.fc_input(hidden / self.aux_scale))",
            NORM_FC),
     Mutant("B3", "the decode/TTT forward skips input_norm", "core/drafter.py",
-           "                hidden = self.input_norm(hidden)\n", "                pass\n", NORM_FC),
+           "            aux = self.input_norm(aux)\n", "            pass\n", NORM_FC),
     Mutant("B4", "from_pretrained ignores norm_before_fc", "core/drafter_config.py", "    return bool(top)", "    return False",
            NORM_FC),
     Mutant("B5", "convert_drafter does not check the GGUF's norm_before_fc", "eval/llamacpp.py",
@@ -343,9 +344,20 @@ MUTANTS = [
     Mutant("V12", "`extract --fresh` deletes the shards a running train reads (train takes no reader lock)",
            "train/loop.py", 'with stage_reader(data, "train"), ', "with ",
            ("tests/test_run_integrity.py::test_a_second_train_in_the_same_run_dir_fails_at_once_naming_the_first",)),
+    Mutant("B6", "fc_norm normalises the concatenated aux instead of each chunk", "core/drafter.py",
+           "            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, aux.chunk(3, -1), strict=True)], -1)",
+           "            aux = aux * torch.rsqrt(aux.pow(2).mean(-1, keepdim=True) + 1e-5) * "
+           "torch.cat([n.weight for n in self.fc_norm])", NORM_FC),
+    Mutant("B7", "norm_output ignored: every next step reads h2", "core/drafter.py",
+           "        return normed if self.config.norm_output else h2", "        return h2", NORM_FC),
+    Mutant("B8", "decoding ignores norm_output while training honours it", "core/drafter.py",
+           "        return self.lm_head(normed), self.next_input(h2, normed)", "        return self.lm_head(normed), h2",
+           ("tests/test_draft_alignment.py::test_ttt_step_outputs_equal_decode_time_drafts",)),
+    Mutant("B9", "llama.cpp's export converts a drafter whose fc_norm / norm_output its converter ignores",
+           "eval/llamacpp.py", "    if ignored:", "    if False:", NORM_FC),
     Mutant("V13", "each TTT step reads the previous step's hidden state detached (no gradient between steps)",
-           "train/ttt_loss.py", "        hiddens.append(drafter.norm(hidden))",
-           "        hiddens.append(drafter.norm(hidden))\n        hidden = hidden.detach()",
+           "train/ttt_loss.py", "        hidden = drafter.next_input(hidden, normed)",
+           "        hidden = drafter.next_input(hidden, normed).detach()",
            ("tests/test_drafter.py::test_ttt_gradient_equals_the_numerical_derivative",)),
 ]
 

@@ -130,14 +130,16 @@ _REQUIRED_ATTRS = [
 ]
 
 
-def sglang_eagle3_param_names(num_layers: int = 1, norm_before_fc: bool = False) -> set[str]:
+def sglang_eagle3_param_names(num_layers: int = 1, norm_before_fc: bool = False, fc_norm: bool = False) -> set[str]:
     """Parameter names of LlamaForCausalLMEagle3 with default config flags (plus `model.input_norm`
-    when norm_before_fc: see sglang_norm_before_fc for the flag itself).
+    when norm_before_fc, `model.fc_norm.{0,1,2}` when fc_norm: see sglang_norm_before_fc / sglang_flags for the
+    flags themselves).
 
-    Defaults: no fc_norm, tie_word_embeddings false, no fc bias. Every module attribute the names
-    rely on is first verified to be assigned in the real source.
+    Defaults: tie_word_embeddings false, no fc bias. Every module attribute the names rely on is first
+    verified to be assigned in the real source.
     """
-    required = _REQUIRED_ATTRS + ([(EAGLE3_FILE, "LlamaModel", {"input_norm"})] if norm_before_fc else [])
+    required = _REQUIRED_ATTRS + ([(EAGLE3_FILE, "LlamaModel", {"input_norm"})] if norm_before_fc else []) + (
+        [(EAGLE3_FILE, "LlamaModel", {"fc_norm"})] if fc_norm else [])
     missing = [f"{cls}.{attr} (sglang/{f})" for f, cls, attrs in required
                for attr in sorted(attrs - _self_assigned(source_class(f, cls)))]
     if missing:
@@ -145,6 +147,8 @@ def sglang_eagle3_param_names(num_layers: int = 1, norm_before_fc: bool = False)
     names = {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight"}
     if norm_before_fc:
         names.add("model.input_norm.weight")
+    if fc_norm:  # one per aux hidden state: 3 (the config's eagle_aux_hidden_state_layer_ids)
+        names |= {f"model.fc_norm.{i}.weight" for i in range(3)}
     for i in range(num_layers):
         p = f"model.layers.{i}."
         names |= {p + s for s in ("input_layernorm.weight", "hidden_norm.weight",
@@ -185,8 +189,17 @@ def sglang_norm_before_fc(config: dict) -> bool:
     return stand_in.norm_before_fc
 
 
+def sglang_flags(config: dict) -> dict[str, bool]:
+    """{"fc_norm", "norm_output"} as SGLang 0.5.23 switches them on for this drafter config.json: the real
+    LlamaModel.__init__ statements that assign `use_fc_norm` and `self.norm_output`, run on a stand-in config."""
+    ns = _run_assignments(EAGLE3_FILE, "LlamaModel", "__init__", {"use_fc_norm", "self.norm_output"},
+                          {"config": types.SimpleNamespace(**config), "getattr": getattr,
+                           "self": types.SimpleNamespace()})
+    return {"fc_norm": bool(ns["use_fc_norm"]), "norm_output": bool(ns["self"].norm_output)}
+
+
 def run_sglang_load_weights(tensors: dict[str, torch.Tensor], num_layers: int = 1,
-                            norm_before_fc: bool = False) -> dict:
+                            norm_before_fc: bool = False, fc_norm: bool = False) -> dict:
     """Run the real LlamaForCausalLMEagle3.load_weights body over `tensors`.
 
     Returns {"loaded": {param: [shard ids or None]}, "ignored": [input names the loader dropped],
@@ -201,7 +214,8 @@ def run_sglang_load_weights(tensors: dict[str, torch.Tensor], num_layers: int = 
                  "List": List, "default_weight_loader": default_weight_loader}
     load_weights = _compile_method(EAGLE3_FILE, "LlamaForCausalLMEagle3", "load_weights", namespace)
 
-    params = {n: _StandInParam(n, calls) for n in sorted(sglang_eagle3_param_names(num_layers, norm_before_fc))}
+    params = {n: _StandInParam(n, calls)
+              for n in sorted(sglang_eagle3_param_names(num_layers, norm_before_fc, fc_norm))}
     stand_in_self = types.SimpleNamespace(named_parameters=lambda: iter(params.items()), hot_token_id=None)
 
     per_input: dict[str, list] = {}
@@ -228,16 +242,16 @@ def run_sglang_load_weights(tensors: dict[str, torch.Tensor], num_layers: int = 
 
 
 def check_drafter_tensor_names(tensors: dict[str, torch.Tensor], num_layers: int = 1,
-                               norm_before_fc: bool = False) -> list[str]:
+                               norm_before_fc: bool = False, fc_norm: bool = False) -> list[str]:
     """Problems SGLang's real loader would hit with these tensor names; [] means OK.
 
     The loader never complains itself: an unknown name is dropped and the parameter keeps its
     random init, so serving runs with a broken drafter. This turns that into a list of errors.
     """
-    result = run_sglang_load_weights(tensors, num_layers, norm_before_fc)
+    result = run_sglang_load_weights(tensors, num_layers, norm_before_fc, fc_norm)
     loaded = result["loaded"]
     problems = [f"{n}: ignored by SGLang's load_weights (no such parameter)" for n in result["ignored"]]
-    for param in sorted(sglang_eagle3_param_names(num_layers, norm_before_fc) - FROM_TARGET):
+    for param in sorted(sglang_eagle3_param_names(num_layers, norm_before_fc, fc_norm) - FROM_TARGET):
         if param not in loaded:
             problems.append(f"{param}: never loaded (stays randomly initialised)")
     expected_shards = {"qkv_proj.weight": ["k", "q", "v"], "gate_up_proj.weight": [0, 1]}
@@ -362,6 +376,9 @@ def sglang_eagle3_shapes(config: dict) -> dict[tuple[str, object], tuple[int, ..
                                                  "post_attention_layernorm.weight")})
     if sglang_norm_before_fc(config):
         shapes[("model.input_norm.weight", None)] = (model.hidden_size_in * model.num_aux_hidden_states,)
+    if sglang_flags(config)["fc_norm"]:
+        shapes.update({(f"model.fc_norm.{i}.weight", None): (model.hidden_size_in,)
+                       for i in range(model.num_aux_hidden_states)})
     return shapes
 
 
@@ -369,6 +386,7 @@ def check_drafter_shapes(tensors: dict[str, torch.Tensor], config: dict) -> list
     """Tensors SGLang's real loader would hand to a parameter of another shape ([] = none), for the drafter
     config.json `config`: a misshapen weight fails the load on a GPU server, or worse, a view of it loads."""
     want = sglang_eagle3_shapes(config)
-    calls = run_sglang_load_weights(tensors, norm_before_fc=sglang_norm_before_fc(config))["calls"]
+    calls = run_sglang_load_weights(tensors, norm_before_fc=sglang_norm_before_fc(config),
+                                    fc_norm=sglang_flags(config)["fc_norm"])["calls"]
     return [f"{src} -> {param}[{shard}]: {shape}, SGLang builds {want.get((param, shard))}"
             for src, param, shard, shape in calls if want.get((param, shard)) != shape]

@@ -36,8 +36,10 @@ def seq():
     return cfg, model, prompt, answer, ids[None], aux[None].float(), final[None].float()
 
 
-def drafter_for(seq, seed: int):
+def drafter_for(seq, seed: int, *flags: str):
+    """A drafter for the sequence; flags: train config overrides (the EAGLE-3.1 variants)."""
     cfg, _, _, _, ids, aux, _ = seq
+    cfg = load_config(ROOT / "configs/smollm2-135m-instruct.yaml", list(flags)) if flags else cfg
     counts = torch.bincount(ids[0], minlength=49152)
     draft_ids, t2d, _ = build_draft_vocab(counts, 256)  # every token of the sequence is in the draft vocab
     torch.manual_seed(seed)
@@ -52,9 +54,13 @@ def capture(module: torch.nn.Module) -> list[torch.Tensor]:
     return seen
 
 
-def test_ttt_step_outputs_equal_decode_time_drafts(seq, monkeypatch):
+@pytest.mark.parametrize("flags", [(), ("train.fc_norm=true", "train.norm_output=true")], ids=["eagle3", "eagle3.1"])
+def test_ttt_step_outputs_equal_decode_time_drafts(seq, monkeypatch, flags):
+    """Training's K unrolled steps compute what decoding drafts, row for row (EAGLE-3.1's fc_norm and norm_output:
+    the next step reads norm(h2) in both, or in neither)."""
     cfg, model, prompt, answer, ids, aux, _ = seq
-    drafter, _, _ = drafter_for(seq, seed=1)
+    drafter, _, _ = drafter_for(seq, 1, *flags)
+    assert drafter.config.norm_output == bool(flags)
     drafter.eval()
     full = torch.cat([torch.tensor(prompt), torch.tensor(answer)])
     t_len, p_len = full.numel(), len(prompt)

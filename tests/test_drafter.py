@@ -10,10 +10,14 @@ from safetensors.torch import load_file
 
 from core.drafter import DraftCache, DrafterConfig, Eagle3Drafter
 from tests.sglang_source import (
+    EAGLE3_FILE,
+    check_drafter_shapes,
     check_drafter_tensor_names,
     run_sglang_load_weights,
     sglang_capture_layers,
+    sglang_flags,
     sglang_norm_before_fc,
+    source_method_text,
 )
 from train.draft_vocab import build_draft_vocab, d2t_offsets
 from train.ttt_loss import (
@@ -229,7 +233,7 @@ def test_norm_before_fc_export_is_what_sglang_loads(tmp_path):
 @pytest.mark.parametrize("change, error", [
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 4], "norm_before_fc": False}}, "engines would"),
     ({"norm_before_fc": False}, "unexpected.*input_norm"),  # weights with a norm the config does not ask for
-    ({"norm_output": True}, "does not implement"),
+    ({"norm_before_residual": True}, "does not implement"),
 ])
 def test_from_pretrained_refuses_a_model_it_would_not_serve_as_the_engines_do(tmp_path, change, error):
     d = make_norm_before_fc_drafter()
@@ -329,3 +333,73 @@ def test_ttt_gradient_equals_the_numerical_derivative(options):
     numerical = (moved[0] - moved[1]) / (2 * eps)
     assert abs(analytic.item()) > 1e-3
     assert analytic.item() == pytest.approx(numerical.item(), rel=1e-4)  # a gradient cut between steps: 40% off
+
+
+def make_eagle31_drafter() -> Eagle3Drafter:
+    """EAGLE-3.1's fc_norm and norm_output on, the three chunk norms' weights far from 1 and unlike each other."""
+    d = make_drafter()
+    n = Eagle3Drafter(dataclasses.replace(d.config, fc_norm=True, norm_output=True))
+    n.load_state_dict(d.state_dict(), strict=False)
+    with torch.no_grad():
+        for norm in n.fc_norm:
+            norm.weight.copy_(torch.rand(H) * 3 + 0.2)
+    return n
+
+
+def test_fc_norm_normalises_each_aux_chunk_by_hand():
+    """fc reads cat(fc_norm[i](aux_i)): each [H] chunk scaled by its own RMS and its own weight, as computed here;
+    normalising the concatenation instead (one RMS for all three) gives another input."""
+    d, aux = make_eagle31_drafter(), massive_aux()
+    chunks = aux.chunk(3, -1)
+    by_hand = torch.cat([w * x / (x.pow(2).mean(-1, keepdim=True) + d.config.rms_norm_eps).sqrt()
+                         for w, x in zip((n.weight for n in d.fc_norm), chunks, strict=True)], -1)
+    torch.testing.assert_close(d.fc_input(aux), by_hand, rtol=1e-5, atol=1e-5)
+    whole = aux / (aux.pow(2).mean(-1, keepdim=True) + d.config.rms_norm_eps).sqrt()
+    whole = whole * torch.cat([n.weight for n in d.fc_norm])
+    assert (whole - by_hand).abs().max() > 1.0
+
+
+def test_eagle31_flags_export_as_sglang_loads_them(tmp_path):
+    """fc_norm / norm_output travel as config.json's top-level keys, which SGLang 0.5.23's own __init__ lines read;
+    the three chunk norms load by name and shape; the reloaded drafter drafts what the trained one drafts, and
+    norm_output changes what a second step reads."""
+    d = make_eagle31_drafter()
+    d.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert sglang_flags(cfg) == {"fc_norm": True, "norm_output": True}
+    # and what SGLang's draft forward hands the next step with the flag: the normed state, as ours does
+    forward = source_method_text(EAGLE3_FILE, "LlamaModel", "forward")
+    assert "aux = hidden_states_to_logits if self.norm_output else hidden_states_to_aux" in forward
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert [tensors[f"fc_norm.{i}.weight"].shape for i in range(3)] == [(H,)] * 3
+    assert check_drafter_tensor_names(tensors, fc_norm=True) == []
+    assert check_drafter_shapes(tensors, cfg) == []
+    assert "fc_norm.0.weight" in run_sglang_load_weights(tensors)["ignored"]  # without the flag: dropped
+    d2 = Eagle3Drafter.from_pretrained(tmp_path, d.embed_tokens.weight.data, "llama", 8)
+    assert d2.config.fc_norm and d2.config.norm_output
+    _, ids, _, _ = batch()
+    aux, pos = massive_aux(), torch.arange(T)[None].expand(B, T)
+    with torch.no_grad():
+        (a, ha), (b, hb) = (m(aux, ids, pos, DraftCache(T)) for m in (d, d2))
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)  # bf16 export
+        plain = Eagle3Drafter(dataclasses.replace(d2.config, norm_output=False))
+        plain.load_state_dict(d2.state_dict())
+        _, hp = plain(aux, ids, pos, DraftCache(T))
+    torch.testing.assert_close(d2.norm(hp), hb)  # norm_output: the next step reads norm(h2), not h2
+    assert (hp - hb).abs().max() > 1.0
+    plain_dir = tmp_path / "plain"
+    make_drafter().save_pretrained(plain_dir)
+    assert sglang_flags(json.loads((plain_dir / "config.json").read_text())) == {"fc_norm": False, "norm_output": False}
+
+
+def test_llamacpp_export_refuses_what_its_converter_would_ignore(tmp_path):
+    """llama.cpp b11434's converter reads neither fc_norm nor norm_output: converting such a drafter would serve
+    another model, so it is refused in one line naming the flags, before the converter runs."""
+    from core.errors import UserError
+    from eval.llamacpp import convert_drafter
+
+    make_eagle31_drafter().save_pretrained(tmp_path / "d")
+    with pytest.raises(UserError, match=r"a drafter with fc_norm and norm_output \(EAGLE-3.1\), which llama.cpp "
+                                        r"b11434's converter ignores"):
+        convert_drafter(tmp_path / "no-tree", tmp_path / "d", tmp_path / "no-target", tmp_path / "d.gguf")
+    assert not (tmp_path / "d.gguf").exists()

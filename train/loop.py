@@ -56,7 +56,8 @@ log = logging.getLogger("train")
 def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, target: TargetHead,
                   aux_scale=None) -> Eagle3Drafter:
     tc = read_target_config(target_info(cfg).path)
-    c = DrafterConfig.for_target(tc, aux_layers, draft_ids.numel(), cfg.train.norm_before_fc)
+    t = cfg.train
+    c = DrafterConfig.for_target(tc, aux_layers, draft_ids.numel(), t.norm_before_fc, t.fc_norm, t.norm_output)
     d = Eagle3Drafter(c)
     with torch.no_grad():
         d.embed_tokens.weight.copy_(target.embed)
@@ -329,7 +330,8 @@ def ready_drafter(cfg: RunConfig, accelerator: Accelerator, drafter: Eagle3Draft
     """The drafter's aux preconditioner from the data, its weights in the precision they train in; -> the
     teacher's head on the device. draft_rows [Vd,H]: the target lm_head's rows of the draft vocab."""
     # per aux feature: the raw RMS is train.aux_noise's unit; the preconditioner is fc's input's (core/drafter.py)
-    raw_rms, fc_input_rms = aux_rms(source.aux_samples(), str(source.dir), drafter.input_norm)
+    normed = drafter.config.norm_before_fc or drafter.config.fc_norm
+    raw_rms, fc_input_rms = aux_rms(source.aux_samples(), str(source.dir), drafter.fc_input if normed else None)
     with torch.no_grad():
         drafter.aux_scale.copy_(fc_input_rms)
     precision = autocast_of(accelerator)

@@ -200,7 +200,9 @@ def ttt_unroll(drafter: Eagle3Drafter, aux, input_ids, positions, masks: tuple[S
             hidden = scatter_rows(hidden, rows[0], b, t)
         keys.append(kk)
         values.append(vv)
-        hiddens.append(drafter.norm(hidden))
+        normed = drafter.norm(hidden)
+        hiddens.append(normed)
+        hidden = drafter.next_input(hidden, normed)
     return hiddens
 
 
