@@ -57,10 +57,10 @@ def stage_reader(directory: str | Path, reader: str):
     """Hold `directory` (a finished stage's output) shared while `reader` reads it: its writer cannot start
     (nor `--fresh` delete it) meanwhile, and a writer still at work stops the reader at once, naming it."""
     directory = Path(directory)
-    if not directory.is_dir():  # the reader's own check names what is missing
+    fd = _reader_fd(directory / LOCK_FILE) if directory.is_dir() else None  # missing: the reader's check names it
+    if fd is None:  # a dir nobody can write (a read-only mount): no writer to wait for
         yield
         return
-    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -71,3 +71,16 @@ def stage_reader(directory: str | Path, reader: str):
         yield
     finally:
         os.close(fd)
+
+
+def _reader_fd(lock: Path) -> int | None:
+    """A descriptor to take `lock` shared with: read-only where it exists (a reader may read a read-only mount),
+    created where it does not; None where it cannot be created (nobody can write there)."""
+    try:
+        return os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        pass
+    try:
+        return os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
