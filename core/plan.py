@@ -115,7 +115,20 @@ def drafter_params(dc: DrafterConfig) -> dict[str, int]:
     h, q, kv = dc.hidden_size, dc.num_attention_heads * dc.head_dim, dc.num_key_value_heads * dc.head_dim
     return {"embed_tokens": dc.vocab_size * h, "fc": 3 * dc.target_hidden_size * h,
             "self_attn": 2 * h * (q + 2 * kv) + q * h, "mlp": 3 * h * dc.intermediate_size,
-            "norms": 4 * h, "lm_head": dc.draft_vocab_size * h}
+            "norms": 4 * h + 3 * dc.target_hidden_size * (dc.norm_before_fc + dc.fc_norm),
+            "lm_head": dc.draft_vocab_size * h}
+
+
+def kv_bytes_per_token(tc: dict) -> tuple[int, str]:
+    """The target's KV cache per token in bf16 and how it is made: MLA (DeepSeek-V3, Kimi) caches one latent of
+    kv_lora_rank + qk_rope_head_dim per layer, GQA 2 x kv heads x head dim per layer."""
+    layers = tc["num_hidden_layers"]
+    if tc.get("kv_lora_rank"):
+        width = tc["kv_lora_rank"] + tc["qk_rope_head_dim"]
+        return 2 * width * layers, f"MLA: ({tc['kv_lora_rank']} + {tc['qk_rope_head_dim']}) x {layers} layers"
+    heads = tc.get("num_key_value_heads") or tc["num_attention_heads"]
+    head_dim = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
+    return 2 * 2 * heads * head_dim * layers, f"GQA: 2 x {heads} x {head_dim} x {layers} layers"
 
 
 def train_memory(dc: DrafterConfig, trainable: int, batch: int, max_len: int, steps: int, bf16: bool,
@@ -246,6 +259,7 @@ def _train_lines(cfg: RunConfig, sh: _Shape, world_size: int) -> list[str]:
         f"drafter: {trainable / 1e6:,.1f}M trainable + {frozen / 1e6:,.1f}M frozen params (hidden {dc.hidden_size}, "
         f"{dc.num_attention_heads}/{dc.num_key_value_heads} heads x {dc.head_dim}, MLP {dc.intermediate_size}, "
         f"draft vocab {dc.draft_vocab_size:,} of {dc.vocab_size:,})",
+        _kv_line(sh.tc, dc),
         f"memory per GPU ~{_gib(sum(mem.values()))} (estimate, {'bf16' if bf16 else 'fp32'} activations, batch "
         f"{t.batch_size} x {row} tokens, K={t.ttt_steps}): " + ", ".join(f"{k} {_gib(v)}" for k, v in mem.items()),
         f"disk: 2 checkpoints kept x ~{_gib(checkpoint)} (fp32 weights, the embedding, AdamW moments) + the drafter "
@@ -257,6 +271,15 @@ def _train_lines(cfg: RunConfig, sh: _Shape, world_size: int) -> list[str]:
         lines.append(f"WARNING: train.max_len {t.max_len:,} < {sh.cap:,}, the longest sample data_gen can write: "
                      "longer samples are cut in training (their tail's tokens never trained on)")
     return lines
+
+
+def _kv_line(tc: dict, dc: DrafterConfig) -> str:
+    """What serving the drafter costs a server in KV cache beside the target's own (bf16, per token)."""
+    draft = 2 * 2 * dc.num_key_value_heads * dc.head_dim
+    target, how = kv_bytes_per_token(tc)
+    return (f"KV cache per token in bf16: the drafter {draft / 1024:,.1f} KiB (GQA: 2 x {dc.num_key_value_heads} x "
+            f"{dc.head_dim}, one layer) beside the target's {target / 1024:,.1f} KiB ({how}): "
+            f"+{100 * draft / target:.0f}% per sequence while drafting")
 
 
 def _eval_lines(cfg: RunConfig) -> list[str]:
@@ -271,7 +294,9 @@ def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
     """{stage: lines} for the four stages, plus "target"."""
     tc = read_target_config(resolve_target(cfg))
     aux = resolve_aux_layers(cfg.extract.aux_layers, tc["num_hidden_layers"])
-    dc = DrafterConfig.for_target(tc, aux, min(cfg.train.draft_vocab_size, tc["vocab_size"]))
+    t = cfg.train
+    dc = DrafterConfig.for_target(tc, aux, min(t.draft_vocab_size, tc["vocab_size"]), t.norm_before_fc, t.fc_norm,
+                                  t.norm_output)
     sh = _Shape(tc, aux, dc, conversations(cfg), tokens_cap(cfg))
     return {"target": _target_lines(cfg, sh), "data_gen": _data_gen_lines(cfg, sh), "extract": _extract_lines(cfg, sh),
             "train": _train_lines(cfg, sh, world_size), "eval": _eval_lines(cfg)}

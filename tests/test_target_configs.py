@@ -135,7 +135,10 @@ def test_full_size_export_loads_in_sglang_with_every_shape(name, tmp_path):
     DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   vocab_size=100, draft_vocab_size=50, target_hidden_size=64),
     DrafterConfig(hidden_size=56, intermediate_size=96, num_attention_heads=8, num_key_value_heads=8, head_dim=7,
-                  vocab_size=90, draft_vocab_size=30, target_hidden_size=80)], ids=["gqa", "mha-other-target"])
+                  vocab_size=90, draft_vocab_size=30, target_hidden_size=80),
+    DrafterConfig(hidden_size=56, intermediate_size=96, num_attention_heads=8, num_key_value_heads=8, head_dim=7,
+                  vocab_size=90, draft_vocab_size=30, target_hidden_size=80, norm_before_fc=True, fc_norm=True)],
+    ids=["gqa", "mha-other-target", "eagle3.1-norms"])
 def test_planned_parameter_counts_are_the_drafters(dc):
     counts, d = drafter_params(dc), Eagle3Drafter(dc)
     assert sum(counts.values()) == sum(p.numel() for p in d.parameters())
