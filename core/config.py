@@ -308,7 +308,10 @@ def _from_dict(cls, data: dict, where: str):
     unknown = sorted(set(data) - names)
     if unknown:
         prefix = f"{where}." if where else ""
-        raise ValueError(f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(names))})")
+        inner = [f"{prefix}{f.name}.{unknown[0]}" for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])
+                 and unknown[0] in {g.name for g in dataclasses.fields(hints[f.name])}]
+        hint = f"; did you mean {inner[0]}?" if inner else ""
+        raise ValueError(f"unknown config key {prefix}{unknown[0]}{hint} (known: {', '.join(sorted(names))})")
     # YAML 1.1 reads a bare `no` / `yes` (e.g. compile: yes) as false / true: a str field means the string
     data = {k: {False: "no", True: "yes"}[v] if isinstance(v, bool) and hints[k] is str else v for k, v in data.items()}
     kwargs = {k: _check_value(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}

@@ -16,7 +16,8 @@ def test_default_config_loads_and_overrides_apply():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.lrr=1", "unknown config key train.lrr"),
+    ("train.lrr=1", "unknown config key train.lrr \\(known"),
+    ("train.attention=flex", "unknown config key train.attention; did you mean train.kernels.attention\\?"),
     ("nosuch.x=1", "unknown config key nosuch"),
     ("train.epochs=two", "train.epochs: expected an integer"),
     ("train.init_lm_head_from_target=3", "expected true/false"),
