@@ -201,10 +201,6 @@ class Eagle3Drafter(nn.Module):
         h = residual + layer.self_attn.o_proj(attn.transpose(1, 2).flatten(2))  # also for 0 rows (pruned steps)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def logits(self, h2: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> draft-vocab logits [..., Vd]."""
-        return self.lm_head(self.norm(h2))
-
     def forward(self, hidden, tokens, positions, cache: DraftCache, visible: torch.Tensor | None = None):
         """Decode-time step over T new positions (appended to the cache after its valid ones),
         attending causally to the cache plus themselves, or to the slots `visible` [T,max_len] names

@@ -128,7 +128,12 @@ def kv_bytes_per_token(tc: dict) -> tuple[int, str]:
         return 2 * width * layers, f"MLA: ({tc['kv_lora_rank']} + {tc['qk_rope_head_dim']}) x {layers} layers"
     heads = tc.get("num_key_value_heads") or tc["num_attention_heads"]
     head_dim = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
-    return 2 * 2 * heads * head_dim * layers, f"GQA: 2 x {heads} x {head_dim} x {layers} layers"
+    return gqa_kv_bytes(heads, head_dim, layers), f"GQA: 2 x {heads} x {head_dim} x {layers} layers"
+
+
+def gqa_kv_bytes(heads: int, head_dim: int, layers: int) -> int:
+    """bf16 K and V of `heads` x `head_dim` per layer, per token."""
+    return 2 * 2 * heads * head_dim * layers
 
 
 def train_memory(dc: DrafterConfig, trainable: int, batch: int, max_len: int, steps: int, bf16: bool,
@@ -275,7 +280,7 @@ def _train_lines(cfg: RunConfig, sh: _Shape, world_size: int) -> list[str]:
 
 def _kv_line(tc: dict, dc: DrafterConfig) -> str:
     """What serving the drafter costs a server in KV cache beside the target's own (bf16, per token)."""
-    draft = 2 * 2 * dc.num_key_value_heads * dc.head_dim
+    draft = gqa_kv_bytes(dc.num_key_value_heads, dc.head_dim, 1)
     target, how = kv_bytes_per_token(tc)
     return (f"KV cache per token in bf16: the drafter {draft / 1024:,.1f} KiB (GQA: 2 x {dc.num_key_value_heads} x "
             f"{dc.head_dim}, one layer) beside the target's {target / 1024:,.1f} KiB ({how}): "

@@ -33,9 +33,10 @@ def stage_lock(directory: str | Path, stage: str):
     except BlockingIOError:
         holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
         os.close(fd)
-        if not holder:  # readers leave no line: the writer's is truncated when it ends
-            raise UserError(f"{directory} is being read by a later stage (train or extract): {stage} would change "
-                            "what it reads; wait for it to finish, stop it, or pass another --run-dir") from None
+        if not holder:  # readers leave no line (the writer's is truncated when it ends); a writer writes its own at once
+            raise UserError(f"{directory} is being read by a later stage (train or extract), or another {stage} is "
+                            f"just starting: {stage} would change what it reads; wait for it to finish, stop it, or "
+                            "pass another --run-dir") from None
         raise UserError(f"{directory} is being written by another {stage} ({holder}); one writer per stage dir: "
                         "wait for it, stop it, or pass another --run-dir") from None
     try:

@@ -53,12 +53,16 @@ from train.ttt_loss import StepOptions, TTTObjective
 log = logging.getLogger("train")
 
 
+def drafter_config(cfg: RunConfig, aux_layers: list[int], draft_vocab_size: int) -> DrafterConfig:
+    """The drafter train builds for cfg's target, with the EAGLE-3.1 variant cfg.train asks for."""
+    t = cfg.train
+    return DrafterConfig.for_target(read_target_config(target_info(cfg).path), aux_layers, draft_vocab_size,
+                                    t.norm_before_fc, t.fc_norm, t.norm_output)
+
+
 def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, target: TargetHead,
                   aux_scale=None) -> Eagle3Drafter:
-    tc = read_target_config(target_info(cfg).path)
-    t = cfg.train
-    c = DrafterConfig.for_target(tc, aux_layers, draft_ids.numel(), t.norm_before_fc, t.fc_norm, t.norm_output)
-    d = Eagle3Drafter(c)
+    d = Eagle3Drafter(drafter_config(cfg, aux_layers, draft_ids.numel()))
     with torch.no_grad():
         d.embed_tokens.weight.copy_(target.embed)
         if cfg.train.init_lm_head_from_target:  # start from the target's own output layer
@@ -271,8 +275,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     # the settings' checks, before any manifest is written: a corrected rerun needs no --fresh
     check_draft_vocab_size(tc.draft_vocab_size, target_info(cfg).vocab_size)
     check_weight_precision(tc.kernels, accelerator)
-    shape = DrafterConfig.for_target(read_target_config(target_info(cfg).path), [], tc.draft_vocab_size)
-    options = step_options(tc.kernels, accelerator.device, shape)
+    options = step_options(tc.kernels, accelerator.device, drafter_config(cfg, [], tc.draft_vocab_size))
     if options.attention == "merged":  # its gradients against the dense path's, on this device
         check_merged_attention(accelerator.device)
     source = SOURCES[tc.source](cfg, accelerator.device)
