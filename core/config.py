@@ -143,6 +143,18 @@ class TrainKernels:
 
 
 @dataclass
+class TrainMLA:
+    """Sizes of an MLA draft layer (train.draft_attention=mla), DeepSeek-V2's names; 0 = the target's own when it is
+    MLA (Kimi-K2.5: 1536 / 512 / 128 / 64 / 128), else DeepSeek-V3's proportions to the target's head dim d
+    (q 12d at most the hidden size, kv 4d, nope d, rope d/2, v d)."""
+    q_lora_rank: int = _f(0, "rank of the query's down-projection (SGLang's MLA draft class needs one)", ge=0)
+    kv_lora_rank: int = _f(0, "width of the cached KV latent", ge=0)
+    qk_nope_head_dim: int = _f(0, "per-head query/key width without RoPE", ge=0)
+    qk_rope_head_dim: int = _f(0, "per-head query/key width with RoPE (the key's is shared by all heads; even)", ge=0)
+    v_head_dim: int = _f(0, "per-head value width", ge=0)
+
+
+@dataclass
 class TrainConfig:
     ttt_steps: int = _f(7, "training-time-test unroll K", ge=1)
     loss_decay: float = _f(0.8, "weight of step k is decay**k", gt=0, le=1)
@@ -181,6 +193,12 @@ class TrainConfig:
     norm_output: bool = _f(False, "EAGLE-3.1: each draft step after the first reads the previous step's normed "
                                   "output norm(h2) instead of h2, in training and decoding; exported as config.json "
                                   "norm_output, which SGLang 0.5.23 reads (llama.cpp b11434's converter does not)")
+    draft_attention: str = _f("gqa", "gqa | mla: the draft layer's attention. gqa = Llama's, the target's heads "
+                                     "(LlamaForCausalLMEagle3: SGLang, vLLM, llama.cpp); mla = DeepSeek-V2 multi-latent "
+                                     "attention of train.mla's sizes (SGLang 0.5.23's Eagle3DeepseekV2ForCausalLM): its "
+                                     "draft KV cache is one latent per token (`make plan` prints both)",
+                              choices=("gqa", "mla"))
+    mla: TrainMLA = field(default_factory=TrainMLA)
     init_lm_head_from_target: bool = _f(True, "start lm_head (and norm) from the target's rows of the draft vocab")
     freeze_lm_head: bool = _f(False, "keep that lm_head fixed (fewer trainable parameters for small data)")
     wandb_mode: str = _f("offline", "offline | online | disabled", choices=('offline', 'online', 'disabled'))
@@ -196,6 +214,9 @@ class TrainConfig:
     kernels: TrainKernels = field(default_factory=TrainKernels)
 
     def __post_init__(self):
+        if self.draft_attention == "mla" and self.norm_before_fc:
+            raise UserError("train.norm_before_fc with train.draft_attention = mla: SGLang 0.5.23's MLA draft class "
+                            "(Eagle3DeepseekV2ForCausalLM) has no input norm; use train.fc_norm, or draft_attention gqa")
         if 0 < self.kernels.pack_length < self.max_len:  # a sample of max_len tokens must fit a row
             raise UserError(f"train.kernels.pack_length = {self.kernels.pack_length}: must be 0 (off) or >= train.max_len "
                             f"({self.max_len})")

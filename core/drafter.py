@@ -28,7 +28,10 @@ eps rms_norm_eps; the names SGLang 0.5.23 (`model.input_norm`) and llama.cpp b11
 neither, so its export refuses a drafter with either.
 
 Attention is left to the caller (`qkv` / `finish`), because training (TTT diagonal mask,
-train/ttt_loss.py) and decoding (KV cache, `forward` below) attend differently.
+train/ttt_loss.py) and decoding (KV cache, `forward` below) attend differently. Its input projections read x
+(`in_projs`: GQA's q/k/v, MLA's q_a / kv_a down-projections) and `heads` turns them into q, k, v: the same q, k,
+v whether the layer is GQA (`Attention`) or MLA (`MLAAttention`, DeepSeek-V2 as SGLang's Eagle3MLADecoderLayer
+builds it: its down-projections read the [2H] x, keys are [k_nope, k_rope] with one RoPE key shared by all heads).
 """
 
 from __future__ import annotations
@@ -61,23 +64,79 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama (rotate-half) RoPE. x [B,n,T,d], positions [B,T]."""
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, interleaved: bool = False) -> torch.Tensor:
+    """RoPE over x [B,n,T,d], positions [B,T]: Llama's rotate-half (pairs i, i + d/2), or DeepSeek's interleaved
+    pairs (2i, 2i+1; SGLang's is_neox_style=False), each pair i turned by positions x theta^(-2i/d)."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
     ang = positions.float()[:, None, :, None] * inv_freq  # [B,1,T,d/2]
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+    cos, sin = ang.cos(), ang.sin()
+    xf = x.float()
+    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else xf.chunk(2, dim=-1)
+    out = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    return (torch.stack(out, -1).flatten(-2) if interleaved else torch.cat(out, -1)).to(x.dtype)
 
 
 class Attention(nn.Module):
+    """Llama GQA over the [2H] input."""
+
     def __init__(self, c: DrafterConfig):
         super().__init__()
+        self.c = c
         self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def in_projs(self) -> tuple[nn.Linear, ...]:
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def heads(self, projected: tuple[torch.Tensor, ...], positions: torch.Tensor):
+        """in_projs' outputs [B,T,*] -> q [B,nh,T,d], k/v [B,nkv,T,d], RoPE applied."""
+        c, (q, k, v) = self.c, projected
+        b, t = q.shape[:2]
+        q, k, v = (y.view(b, t, -1, c.head_dim).transpose(1, 2) for y in (q, k, v))
+        return apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta), v
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek-V2 multi-latent attention over the [2H] input, with the module names SGLang 0.5.23's
+    Eagle3DeepseekV2ForCausalLM loads (it fuses q_a_proj and kv_a_proj_with_mqa, in that order, into one GEMM).
+
+        q        = q_b_proj(q_a_layernorm(q_a_proj(x)))                  # [B,T,nh,nope+rope]
+        c, k_pe  = kv_a_proj_with_mqa(x).split(kv_lora_rank, rope)        # the latent SGLang caches, and one
+        k_nope, v = kv_b_proj(kv_a_layernorm(c)).split(nope, v)          # RoPE key shared by every head
+        q, k     = [q_nope, rope(q_pe)], [k_nope, rope(k_pe)]            # scores scaled by (nope + rope)^-0.5
+    """
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        m, nh, eps = c.mla, c.num_attention_heads, c.rms_norm_eps
+        self.c = c
+        self.q_a_proj = nn.Linear(2 * c.hidden_size, m.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(m.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(m.q_lora_rank, nh * (m.qk_nope_head_dim + m.qk_rope_head_dim), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * c.hidden_size, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, nh * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(nh * m.v_head_dim, c.hidden_size, bias=False)
+
+    def in_projs(self) -> tuple[nn.Linear, ...]:
+        return self.q_a_proj, self.kv_a_proj_with_mqa
+
+    def heads(self, projected: tuple[torch.Tensor, ...], positions: torch.Tensor):
+        """in_projs' outputs -> q, k [B,nh,T,nope+rope], v [B,nh,T,v_head_dim], RoPE applied to the rope parts."""
+        m, nh, theta = self.c.mla, self.c.num_attention_heads, self.c.rope_theta
+        q_a, kv_a = projected
+        b, t = q_a.shape[:2]
+        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(b, t, nh, -1).transpose(1, 2)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        latent, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, nh, -1).transpose(1, 2)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], -1)
+        k_pe = apply_rope(k_pe[:, None], positions, theta, interleaved=True)  # [B,1,T,rope]
+        q = torch.cat([q_nope, apply_rope(q_pe, positions, theta, interleaved=True)], -1)
+        return q, torch.cat([k_nope, k_pe.expand(b, nh, t, -1)], -1), v
 
 
 class MLP(nn.Module):
@@ -96,7 +155,7 @@ class MidLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = MLAAttention(c) if c.mla else Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
@@ -118,9 +177,9 @@ class DraftCache:
         start, t = self.length, k.shape[2]
         if start + t > self.max_len:
             raise ValueError(f"draft cache full: {start} + {t} positions > max_len {self.max_len}")
-        if self.k is None:
-            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
-            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+        if self.k is None:  # v's own head dim: an MLA layer's v heads are narrower than its keys
+            self.k = k.new_zeros(k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            self.v = v.new_zeros(v.shape[0], v.shape[1], self.max_len, v.shape[3])
         self.k[:, :, start:start + t] = k
         self.v[:, :, start:start + t] = v
         self.length = start + t
@@ -151,36 +210,33 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         self.register_buffer("aux_scale", torch.ones(3 * c.target_hidden_size))
 
-    def token_qkv(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[B,T] -> the q, k, v projections' token half, [B,T,nh*d] / [B,T,nkv*d] x 2: the half of the
-        attention input with neither a position nor a hidden state in it. TTT computes it once for all K
-        steps (step k's token at t is step 0's at t+k), not once per step: of each step's qkv GEMMs, forward
-        and backward, that is half the FLOPs (`qkv(..., token_qkv=...)`)."""
+    def token_qkv(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[B,T] -> the attention input projections' token half (GQA: q, k, v; MLA: q_a, kv_a), each [B,T,*]: the
+        half of the attention input with neither a position nor a hidden state in it. TTT computes it once for
+        all K steps (step k's token at t is step 0's at t+k), not once per step: of each step's input GEMMs,
+        forward and backward, that is half the FLOPs (`qkv(..., token_qkv=...)`)."""
         x, h = self.midlayer.input_layernorm(self.embed_tokens(tokens)), self.config.hidden_size
-        a = self.midlayer.self_attn
-        return tuple(F.linear(x, proj.weight[:, :h]) for proj in (a.q_proj, a.k_proj, a.v_proj))
+        return tuple(F.linear(x, proj.weight[:, :h]) for proj in self.midlayer.self_attn.in_projs())
 
     def qkv(self, hidden: torch.Tensor, tokens: torch.Tensor | None, positions: torch.Tensor,
             token_qkv: tuple[torch.Tensor, ...] | None = None):
         """hidden [B,T,3Ht] (target aux: step 0) or [B,T,H] (previous step's h2); tokens [B,T], or their
         `token_qkv` computed already (then tokens are not read).
-        Returns q [B,nh,T,d], k/v [B,nkv,T,d] (RoPE applied) and the residual [B,T,H]."""
+        Returns q [B,nh,T,d], k/v [B,nkv,T,d] (RoPE applied; MLA: nkv = nh, v of v_head_dim) and the residual
+        [B,T,H]."""
         c, layer = self.config, self.midlayer
         if hidden.shape[-1] == 3 * c.target_hidden_size and hidden.shape[-1] != c.hidden_size:
             hidden = self.fc(self.fc_input(hidden) / self.aux_scale)  # aux_scale after the norms: module docstring
         b, t, h = hidden.shape
         a = layer.self_attn
-        if token_qkv is None:
+        if token_qkv is None:  # x = [embed, hidden], the order SGLang's draft layers concatenate
             x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], -1)
-            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+            projected = tuple(proj(x) for proj in a.in_projs())
         else:  # the hidden half's GEMM, with the token half added in its epilogue
             x = layer.hidden_norm(hidden).flatten(0, 1)
-            q, k, v = (torch.addmm(y.flatten(0, 1), x, proj.weight[:, h:].T).view(b, t, y.shape[-1])
-                       for y, proj in zip(token_qkv, (a.q_proj, a.k_proj, a.v_proj), strict=True))
-        q = q.view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = k.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = v.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta), v, hidden
+            projected = tuple(torch.addmm(y.flatten(0, 1), x, proj.weight[:, h:].T).view(b, t, y.shape[-1])
+                              for y, proj in zip(token_qkv, a.in_projs(), strict=True))
+        return *a.heads(projected, positions), hidden
 
     def fc_input(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [..., 3Ht] -> what fc reads (before aux_scale): through input_norm (norm_before_fc), then each [Ht]

@@ -2,14 +2,64 @@
 written by `DrafterConfig.to_sglang` and read back by `from_sglang`. The engines disagree on what aux layer
 ids mean (core/aux_layers.py) and on where `norm_before_fc` lives, so the config writes each engine's key and
 refuses a file whose keys would make two engines serve different models.
+
+An MLA drafter (`mla` set) is SGLang 0.5.23's Eagle3DeepseekV2ForCausalLM (srt/models/kimi_k25_eagle3.py): the
+same EAGLE-3 layout with DeepSeek-V2 multi-latent attention, config.json of model_type `kimi_k2` (SGLang's config
+registry reads it as transformers' DeepseekV3Config), so its draft KV cache per token is one latent of
+kv_lora_rank + qk_rope_head_dim, the target's MLA shape.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from core.aux_layers import aux_layers_from_sglang, sglang_layer_ids
 from core.errors import UserError
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """DeepSeek-V2 multi-latent attention sizes of an MLA draft layer (the names DeepseekV3Config uses)."""
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def for_target(cls, tc: dict, requested: dict[str, int]) -> MLAShape:
+        """The sizes train builds: `requested` (train.mla; 0 = unset) over the target's own when it is MLA
+        (Kimi-K2.5: 1536 / 512 / 128 / 64 / 128), else DeepSeek-V3's proportions to the target's head dim d:
+        kv_lora_rank 4d, q_lora_rank 12d (at most the hidden size), nope = v = d, rope d/2."""
+        d = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
+        own = {"q_lora_rank": min(12 * d, tc["hidden_size"]), "kv_lora_rank": 4 * d, "qk_nope_head_dim": d,
+               "qk_rope_head_dim": d // 2, "v_head_dim": d}
+        if tc.get("kv_lora_rank"):
+            own = {k: tc.get(k) or own[k] for k in own}
+        shape = cls(**{k: requested.get(k) or v for k, v in own.items()})
+        if shape.qk_rope_head_dim % 2:
+            raise UserError(f"train.mla.qk_rope_head_dim = {shape.qk_rope_head_dim}: RoPE rotates pairs, it must be even")
+        return shape
+
+    def kv_bytes(self) -> int:
+        """The bf16 draft KV cache per token: one latent plus the shared RoPE key, as SGLang's MLA pool keeps it."""
+        return 2 * (self.kv_lora_rank + self.qk_rope_head_dim)
+
+
+class DraftVariant(NamedTuple):
+    """Which drafter train builds beyond the target's shape: EAGLE-3.1's three norms and the draft attention
+    (mla: the MLAShape of an MLA layer, None for Llama GQA)."""
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    mla: MLAShape | None = None
+
+    @classmethod
+    def of(cls, tc: dict, train) -> DraftVariant:
+        """The variant a run's `train` section (core.config.TrainConfig) asks for on the target `tc`."""
+        mla = MLAShape.for_target(tc, asdict(train.mla)) if train.draft_attention == "mla" else None
+        return cls(train.norm_before_fc, train.fc_norm, train.norm_output, mla)
 
 
 @dataclass
@@ -31,12 +81,37 @@ class DrafterConfig:
     norm_before_fc: bool = False  # EAGLE-3.1: input_norm over the [3Ht] aux before fc
     fc_norm: bool = False  # EAGLE-3.1: fc_norm.{0,1,2}, an RMSNorm over each [Ht] aux chunk before fc
     norm_output: bool = False  # EAGLE-3.1: a step after the first reads norm(h2), not h2
+    mla: MLAShape | None = None  # an MLA draft layer (Eagle3DeepseekV2ForCausalLM), else Llama GQA
+
+    def __post_init__(self):
+        if isinstance(self.mla, dict):  # read back from asdict()
+            self.mla = MLAShape(**self.mla)
+        if self.mla is not None and self.norm_before_fc:
+            raise UserError("norm_before_fc with an MLA draft layer: SGLang 0.5.23's Eagle3DeepseekV2ForCausalLM has "
+                            "no input_norm (it reads fc_norm and norm_output): use train.fc_norm, or draft_attention gqa")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one query/key head: nope + rope for MLA, head_dim for GQA (the attention's softmax scale)."""
+        return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def kernel_head_dim(self) -> int:
+        """The head dim a fused attention kernel runs at: q/k and v widened to the wider of the two (MLA's v heads
+        are narrower; train/ttt_attention.py pads them with zeros)."""
+        return max(self.qk_head_dim, self.mla.v_head_dim) if self.mla else self.head_dim
+
+    def draft_kv_bytes(self) -> tuple[int, str]:
+        """The drafter's bf16 KV cache per token in a server and how it is made."""
+        if self.mla:
+            return self.mla.kv_bytes(), f"MLA: {self.mla.kv_lora_rank} + {self.mla.qk_rope_head_dim}"
+        return 2 * 2 * self.num_key_value_heads * self.head_dim, f"GQA: 2 x {self.num_key_value_heads} x {self.head_dim}"
 
     @classmethod
-    def for_target(cls, tc: dict, aux_layers: list[int], draft_vocab_size: int, norm_before_fc: bool = False,
-                   fc_norm: bool = False, norm_output: bool = False) -> DrafterConfig:
-        """The drafter train builds for a target: one Llama layer of the target's width, heads and MLP
-        (tc = core.target.read_target_config: a MoE target's `intermediate_size` is its dense MLP's)."""
+    def for_target(cls, tc: dict, aux_layers: list[int], draft_vocab_size: int,
+                   variant: DraftVariant = DraftVariant()) -> DrafterConfig:
+        """The drafter train builds for a target: one layer of the target's width, heads and MLP (tc =
+        core.target.read_target_config: a MoE target's `intermediate_size` is its dense MLP's), Llama GQA or MLA."""
         hidden, heads = tc["hidden_size"], tc["num_attention_heads"]
         rope = tc.get("rope_parameters") or {}
         return cls(
@@ -48,16 +123,22 @@ class DrafterConfig:
             rms_norm_eps=tc.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope.get("rope_theta") or tc.get("rope_theta") or 10000.0),
             max_position_embeddings=tc.get("max_position_embeddings", 4096), hidden_act=tc.get("hidden_act", "silu"),
-            norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output)
+            norm_before_fc=variant.norm_before_fc, fc_norm=variant.fc_norm, norm_output=variant.norm_output,
+            mla=variant.mla)
 
     def to_sglang(self) -> dict:
-        """config.json SGLang (LlamaForCausalLMEagle3) and vLLM read."""
+        """config.json SGLang (LlamaForCausalLMEagle3, or Eagle3DeepseekV2ForCausalLM for MLA) and vLLM read."""
         ids = sglang_layer_ids(self.aux_layers, self.target_model_type)
+        if self.mla:  # rope_interleave: DeepSeek's pairwise RoPE, which SGLang's MLA uses unless told otherwise
+            arch = {"architectures": [MLA_ARCHITECTURE], "model_type": "kimi_k2", **self.mla.__dict__,
+                    "rope_interleave": True}
+        else:
+            arch = {"architectures": [GQA_ARCHITECTURE], "model_type": "llama", "head_dim": self.head_dim}
         cfg = {
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+            **arch, "num_hidden_layers": 1,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps, "hidden_act": self.hidden_act,
             "rope_theta": self.rope_theta, "rope_scaling": None,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "max_position_embeddings": self.max_position_embeddings,
@@ -82,9 +163,14 @@ class DrafterConfig:
 
     @classmethod
     def from_sglang(cls, cfg: dict, target_model_type: str, target_num_layers: int) -> DrafterConfig:
-        if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
-            raise UserError(f"drafter config.json: architectures = {cfg.get('architectures')}, "
-                             "expected ['LlamaForCausalLMEagle3']")
+        arch = cfg.get("architectures")
+        if arch not in ([GQA_ARCHITECTURE], [MLA_ARCHITECTURE]):
+            raise UserError(f"drafter config.json: architectures = {arch}, expected ['{GQA_ARCHITECTURE}'] or "
+                            f"['{MLA_ARCHITECTURE}']")
+        mla = MLAShape(**{k: cfg[k] for k in MLAShape.__dataclass_fields__}) if arch == [MLA_ARCHITECTURE] else None
+        if mla and not cfg.get("rope_interleave", True):
+            raise UserError("drafter config.json: rope_interleave = false (Neox-style RoPE in an MLA drafter): this "
+                            "project's MLA drafter rotates DeepSeek's interleaved pairs")
         if cfg.get("tie_word_embeddings"):
             raise UserError("drafter config.json: tie_word_embeddings must be false")
         ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -109,7 +195,12 @@ class DrafterConfig:
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             hidden_act=cfg.get("hidden_act", "silu"), norm_before_fc=norm_before_fc,
-            fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm")), norm_output=bool(cfg.get("norm_output")))
+            fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm")), norm_output=bool(cfg.get("norm_output")),
+            mla=mla)
+
+
+GQA_ARCHITECTURE = "LlamaForCausalLMEagle3"
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 
 
 # Variants SGLang 0.5.23 switches on from config.json that our drafter does not implement: loading such a

@@ -13,11 +13,11 @@ run dir; an embedded alias (smollm2, tiny) has its model cache built on first us
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 from core.aux_layers import resolve_aux_layers, sglang_layer_ids
-from core.config import RunConfig, TrainKernels
-from core.drafter_config import DrafterConfig
+from core.config import RunConfig, TrainConfig, TrainKernels
+from core.drafter_config import DrafterConfig, DraftVariant, MLAShape
 from core.errors import UserError
 from core.target import read_target_config, resolve_target
 
@@ -113,9 +113,15 @@ def drafter_params(dc: DrafterConfig) -> dict[str, int]:
     """Parameter counts of core.drafter.Eagle3Drafter's parts (tests/test_target_configs.py checks the
     sum against the module itself); arithmetic, so a 1B-parameter drafter costs nothing to plan."""
     h, q, kv = dc.hidden_size, dc.num_attention_heads * dc.head_dim, dc.num_key_value_heads * dc.head_dim
+    attention, attention_norms = 2 * h * (q + 2 * kv) + q * h, 0
+    if dc.mla:
+        m, nh = dc.mla, dc.num_attention_heads
+        attention = (2 * h * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) + m.q_lora_rank * nh * dc.qk_head_dim
+                     + m.kv_lora_rank * nh * (m.qk_nope_head_dim + m.v_head_dim) + nh * m.v_head_dim * h)
+        attention_norms = m.q_lora_rank + m.kv_lora_rank
     return {"embed_tokens": dc.vocab_size * h, "fc": 3 * dc.target_hidden_size * h,
-            "self_attn": 2 * h * (q + 2 * kv) + q * h, "mlp": 3 * h * dc.intermediate_size,
-            "norms": 4 * h + 3 * dc.target_hidden_size * (dc.norm_before_fc + dc.fc_norm),
+            "self_attn": attention, "mlp": 3 * h * dc.intermediate_size,
+            "norms": 4 * h + 3 * dc.target_hidden_size * (dc.norm_before_fc + dc.fc_norm) + attention_norms,
             "lm_head": dc.draft_vocab_size * h}
 
 
@@ -262,9 +268,9 @@ def _train_lines(cfg: RunConfig, sh: _Shape, world_size: int) -> list[str]:
     key = ("train", sh.tc["hidden_size"], sh.tc["num_hidden_layers"], "bf16" if bf16 else "fp32")
     lines = [
         f"drafter: {trainable / 1e6:,.1f}M trainable + {frozen / 1e6:,.1f}M frozen params (hidden {dc.hidden_size}, "
-        f"{dc.num_attention_heads}/{dc.num_key_value_heads} heads x {dc.head_dim}, MLP {dc.intermediate_size}, "
+        f"{_attention_shape(dc)}, MLP {dc.intermediate_size}, "
         f"draft vocab {dc.draft_vocab_size:,} of {dc.vocab_size:,})",
-        _kv_line(sh.tc, dc),
+        _kv_line(sh.tc, dc, t),
         f"memory per GPU ~{_gib(sum(mem.values()))} (estimate, {'bf16' if bf16 else 'fp32'} activations, batch "
         f"{t.batch_size} x {row} tokens, K={t.ttt_steps}): " + ", ".join(f"{k} {_gib(v)}" for k, v in mem.items()),
         f"disk: 2 checkpoints kept x ~{_gib(checkpoint)} (fp32 weights, the embedding, AdamW moments) + the drafter "
@@ -278,13 +284,27 @@ def _train_lines(cfg: RunConfig, sh: _Shape, world_size: int) -> list[str]:
     return lines
 
 
-def _kv_line(tc: dict, dc: DrafterConfig) -> str:
-    """What serving the drafter costs a server in KV cache beside the target's own (bf16, per token)."""
-    draft = gqa_kv_bytes(dc.num_key_value_heads, dc.head_dim, 1)
+def _attention_shape(dc: DrafterConfig) -> str:
+    if dc.mla:
+        m = dc.mla
+        return (f"MLA {dc.num_attention_heads} heads: q_lora {m.q_lora_rank}, kv_lora {m.kv_lora_rank}, qk "
+                f"{m.qk_nope_head_dim}+{m.qk_rope_head_dim}, v {m.v_head_dim}")
+    return f"{dc.num_attention_heads}/{dc.num_key_value_heads} heads x {dc.head_dim}"
+
+
+def _kv_line(tc: dict, dc: DrafterConfig, t: TrainConfig) -> str:
+    """What serving the drafter costs a server in KV cache beside the target's own (bf16, per token), for each
+    draft attention train.draft_attention offers, the run's marked."""
     target, how = kv_bytes_per_token(tc)
-    return (f"KV cache per token in bf16: the drafter {draft / 1024:,.1f} KiB (GQA: 2 x {dc.num_key_value_heads} x "
-            f"{dc.head_dim}, one layer) beside the target's {target / 1024:,.1f} KiB ({how}): "
-            f"+{100 * draft / target:.0f}% per sequence while drafting")
+    gqa = replace(dc, mla=None)
+    mla = replace(dc, mla=dc.mla or MLAShape.for_target(tc, asdict(t.mla)), norm_before_fc=False)
+    cells = []
+    for name, d in (("gqa", gqa), ("mla", mla)):
+        draft, shape = d.draft_kv_bytes()
+        mark = " <- this run" if name == t.draft_attention else ""
+        cells.append(f"{name} {draft / 1024:,.1f} KiB ({shape}, +{100 * draft / target:.0f}%){mark}")
+    return (f"draft KV cache per token in bf16 (one layer; +% of the target's while drafting): {', '.join(cells)}; "
+            f"the target's {target / 1024:,.1f} KiB ({how})")
 
 
 def _eval_lines(cfg: RunConfig) -> list[str]:
@@ -300,8 +320,7 @@ def plan(cfg: RunConfig, world_size: int = 1) -> dict[str, list[str]]:
     tc = read_target_config(resolve_target(cfg))
     aux = resolve_aux_layers(cfg.extract.aux_layers, tc["num_hidden_layers"])
     t = cfg.train
-    dc = DrafterConfig.for_target(tc, aux, min(t.draft_vocab_size, tc["vocab_size"]), t.norm_before_fc, t.fc_norm,
-                                  t.norm_output)
+    dc = DrafterConfig.for_target(tc, aux, min(t.draft_vocab_size, tc["vocab_size"]), DraftVariant.of(tc, t))
     sh = _Shape(tc, aux, dc, conversations(cfg), tokens_cap(cfg))
     return {"target": _target_lines(cfg, sh), "data_gen": _data_gen_lines(cfg, sh), "extract": _extract_lines(cfg, sh),
             "train": _train_lines(cfg, sh, world_size), "eval": _eval_lines(cfg)}

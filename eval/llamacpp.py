@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from core.atomic_io import atomic_write
-from core.drafter_config import read_norm_before_fc
+from core.drafter_config import GQA_ARCHITECTURE, read_norm_before_fc
 from core.errors import UserError
 
 LLAMACPP_BUILD = 11434
@@ -86,6 +86,10 @@ def convert_drafter(tree: Path, drafter_dir: Path, target_dir: Path, out: Path, 
     """An exported drafter -> the GGUF that `llama-server --spec-type draft-eagle3` loads. Refuses a GGUF
     whose norm_before_fc is not the drafter's (SGLang's reading): llama-server would serve another model."""
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    if config.get("architectures") != [GQA_ARCHITECTURE]:
+        raise UserError(f"{drafter_dir}: a drafter of architecture {config.get('architectures')}; llama.cpp b11434's "
+                        f"converter takes {GQA_ARCHITECTURE} drafters only (an MLA drafter serves in SGLang): train "
+                        "with train.draft_attention=gqa for llama.cpp")
     ignored = [flag for flag in LLAMACPP_IGNORES if config.get(flag)]
     if ignored:
         raise UserError(f"{drafter_dir}: a drafter with {' and '.join(ignored)} (EAGLE-3.1), which llama.cpp b11434's "

@@ -390,3 +390,216 @@ def check_drafter_shapes(tensors: dict[str, torch.Tensor], config: dict) -> list
                                     fc_norm=sglang_flags(config)["fc_norm"])["calls"]
     return [f"{src} -> {param}[{shard}]: {shape}, SGLang builds {want.get((param, shard))}"
             for src, param, shard, shape in calls if want.get((param, shard)) != shape]
+
+
+# ----------------------------------------------------------------------------- the MLA draft class
+MLA_FILE = "srt/models/kimi_k25_eagle3.py"
+DEEPSEEK_FILE = "srt/models/deepseek_v2.py"
+MLA_CLASS = "Eagle3DeepseekV2ForCausalLM"
+CONFIG_REGISTRY_FILE = "srt/utils/hf_transformers/common.py"
+_MLA_REQUIRED_ATTRS = [
+    (MLA_FILE, MLA_CLASS, {"model", "lm_head"}),
+    (MLA_FILE, "Eagle3MLAModel", {"embed_tokens", "fc", "fc_norm", "midlayer", "norm"}),
+    (MLA_FILE, "Eagle3MLADecoderLayer", {"self_attn", "mlp", "input_layernorm", "hidden_norm",
+                                         "post_attention_layernorm"}),
+    (DEEPSEEK_FILE, "DeepseekV2AttentionMLA", {"fused_qkv_a_proj_with_mqa", "q_a_layernorm", "q_b_proj", "kv_b_proj",
+                                               "kv_a_layernorm", "o_proj"}),
+    (DEEPSEEK_FILE, "DeepseekV2MLP", {"gate_up_proj", "down_proj"}),
+]
+
+
+def sglang_mla_config(config: dict):
+    """The config object SGLang 0.5.23 hands the MLA draft class for a drafter config.json: its registry maps
+    model_type "kimi_k2" to an alias of transformers' DeepseekV3Config (checked in the source), built here with
+    the installed transformers."""
+    text = (sglang_root() / CONFIG_REGISTRY_FILE).read_text()
+    if 'model_type = "kimi_k2"' not in text or '_CONFIG_REGISTRY["kimi_k2"] = _KimiK2ConfigAlias' not in text:
+        raise AssertionError(f"sglang/{CONFIG_REGISTRY_FILE} no longer registers model_type kimi_k2")
+    if config.get("model_type") != "kimi_k2":
+        raise AssertionError(f"model_type {config.get('model_type')!r}: SGLang's registry would not read it as "
+                             "DeepseekV3Config")
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config.from_dict(config)
+
+
+def _node_value(rel_path: str, cls: str, method: str, target: str) -> ast.expr:
+    """The expression the real method first assigns to `target` (e.g. "self.q_b_proj", "is_neox_style"), a
+    constructor call where one is assigned (lm_head: the untied branch's ParallelLMHead, not the tied alias)."""
+    values = [node.value for node in ast.walk(source_method(rel_path, cls, method))
+              if isinstance(node, ast.Assign) and any(ast.unparse(t) == target for t in node.targets)]
+    for value in sorted(values, key=lambda v: not isinstance(v, ast.Call)):
+        return value
+    raise AssertionError(f"{cls}.{method} in sglang/{rel_path} no longer assigns {target}")
+
+
+def _eval(node: ast.expr, namespace: dict):
+    return eval(compile(ast.Expression(node), "<sglang source>", "eval"), namespace)
+
+
+def _built_shape(rel_path: str, cls: str, method: str, target: str, namespace: dict) -> tuple[int, ...]:
+    """The weight shape of the layer the real method builds for `target`, from its constructor call's first two
+    positional arguments: a *Linear(in, out) weighs [out, in], an RMSNorm(dim) [dim], a ParallelLMHead(vocab, dim)
+    [vocab, dim]."""
+    call = _node_value(rel_path, cls, method, target)
+    name = ast.unparse(call.func)
+    args = [_eval(a, namespace) for a in call.args[:2]]
+    if name.endswith("Linear"):
+        return args[1], args[0]
+    if name == "RMSNorm":
+        return (args[0],)
+    if name == "ParallelLMHead":
+        return args[0], args[1]
+    raise AssertionError(f"{target} in sglang/{rel_path}: built by {name}, which this check does not know")
+
+
+def sglang_mla_flags(config: dict) -> dict[str, bool]:
+    """{"fc_norm", "norm_output", "rope_interleave"} as SGLang 0.5.23's MLA draft class switches them on for this
+    drafter config.json: the real statements of Eagle3MLAModel.__init__ and DeepseekV2AttentionMLA.__init__ (its
+    `is_neox_style`), run on the config SGLang builds."""
+    c = sglang_mla_config(config)
+    ns = _run_assignments(MLA_FILE, "Eagle3MLAModel", "__init__", {"use_fc_norm", "self.norm_output"},
+                          {"config": c, "getattr": getattr, "self": types.SimpleNamespace()})
+    neox = _eval(_node_value(DEEPSEEK_FILE, "DeepseekV2AttentionMLA", "__init__", "is_neox_style"),
+                 {"config": c, "getattr": getattr})
+    return {"fc_norm": bool(ns["use_fc_norm"]), "norm_output": bool(ns["self"].norm_output), "rope_interleave": not neox}
+
+
+def sglang_mla_rope(config: dict) -> tuple[float, object]:
+    """(rope_theta, rope_scaling) Eagle3MLADecoderLayer.__init__ passes to the MLA attention: its real if/else."""
+    return tuple(_run_assignments(MLA_FILE, "Eagle3MLADecoderLayer", "__init__", {"rope_theta", "rope_scaling"},
+                                  {"config": sglang_mla_config(config), "hasattr": hasattr})[k]
+                 for k in ("rope_theta", "rope_scaling"))
+
+
+def sglang_mla_shapes(config: dict) -> dict[tuple[str, object], tuple[int, ...]]:
+    """{(parameter, shard id or None): shape} of Eagle3DeepseekV2ForCausalLM built on a drafter config.json
+    (tensor parallel 1): every size from the real constructor calls, the MLA attention's arguments from the
+    Eagle3MLADecoderLayer call that builds it. The MLP's two shards are gate/up of [intermediate, hidden]."""
+    c = sglang_mla_config(config)
+    missing = [f"{cls}.{attr} (sglang/{f})" for f, cls, attrs in _MLA_REQUIRED_ATTRS
+               for attr in sorted(attrs - _self_assigned(source_class(f, cls)))]
+    if missing:
+        raise AssertionError(f"SGLang {SGLANG_VERSION} source lacks `self.<attr> = ...` for: {missing}")
+    model_ns = {"config": c, "getattr": getattr, "self": types.SimpleNamespace(), "len": len,
+                "_get_eagle_aux_layer_count": _compile_function(MLA_FILE, "_get_eagle_aux_layer_count", {})}
+    _run_assignments(MLA_FILE, "Eagle3MLAModel", "__init__", {"target_hidden_size", "self.num_aux_hidden_states"},
+                     model_ns)
+    n_aux, target_hidden = model_ns["self"].num_aux_hidden_states, model_ns["target_hidden_size"]
+    call = _node_value(MLA_FILE, "Eagle3MLADecoderLayer", "__init__", "self.self_attn")
+    kwargs = {k.arg: _eval(k.value, {"config": c}) for k in call.keywords
+              if k.arg in ("hidden_size", "num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                           "q_lora_rank", "kv_lora_rank")}
+    attn = _run_assignments(DEEPSEEK_FILE, "DeepseekV2AttentionMLA", "__init__",
+                            {"self.hidden_size", "self.qk_head_dim", "self.num_heads", "self.v_head_dim",
+                             "self.q_lora_rank", "self.kv_lora_rank", "self.qk_nope_head_dim", "self.qk_rope_head_dim"},
+                            {**kwargs, "self": types.SimpleNamespace()})["self"]
+    attn_ns = {**kwargs, "self": attn, "config": c}
+    p = "model.midlayer."
+    shapes = {
+        ("model.fc.weight", None): _built_shape(MLA_FILE, "Eagle3MLAModel", "__init__", "self.fc", model_ns),
+        ("model.norm.weight", None): _built_shape(MLA_FILE, "Eagle3MLAModel", "__init__", "self.norm", model_ns),
+        ("lm_head.weight", None): _built_shape(MLA_FILE, MLA_CLASS, "__init__", "self.lm_head",
+                                               {"config": c, "draft_vocab_size": c.draft_vocab_size}),
+        (p + "self_attn.fused_qkv_a_proj_with_mqa.weight", None): _built_shape(
+            MLA_FILE, "Eagle3MLADecoderLayer", "__init__", "attn.fused_qkv_a_proj_with_mqa", {"config": c, "attn": attn}),
+        (p + "mlp.gate_up_proj.weight", 0): (c.intermediate_size, c.hidden_size),
+        (p + "mlp.gate_up_proj.weight", 1): (c.intermediate_size, c.hidden_size),
+        (p + "mlp.down_proj.weight", None): (c.hidden_size, c.intermediate_size)}
+    for name in ("q_a_layernorm", "q_b_proj", "kv_b_proj", "kv_a_layernorm", "o_proj"):
+        shapes[(f"{p}self_attn.{name}.weight", None)] = _built_shape(DEEPSEEK_FILE, "DeepseekV2AttentionMLA", "__init__",
+                                                                    f"self.{name}", attn_ns)
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        shapes[(f"{p}{name}.weight", None)] = _built_shape(MLA_FILE, "Eagle3MLADecoderLayer", "__init__", f"self.{name}",
+                                                          {"config": c})
+    if sglang_mla_flags(config)["fc_norm"]:
+        shapes.update({(f"model.fc_norm.{i}.weight", None): (target_hidden,) for i in range(n_aux)})
+    return shapes
+
+
+def _compile_function(rel_path: str, name: str, namespace: dict) -> types.FunctionType:
+    """A top-level function of a real SGLang file, compiled with globals `namespace`."""
+    fn = next((n for n in _parse(rel_path).body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if fn is None:
+        raise AssertionError(f"function {name} not found in sglang/{rel_path} ({SGLANG_VERSION})")
+    code = compile(ast.Module(body=[fn], type_ignores=[]), str(sglang_root() / rel_path), "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    exec(code, namespace)
+    return namespace[name]
+
+
+class _RecordingParam(_StandInParam):
+    """A stand-in parameter that also keeps what it was loaded with (shard id -> tensor)."""
+
+    def __init__(self, name: str, calls: list):
+        super().__init__(name, calls)
+        self.loaded: dict = {}
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        super().weight_loader(param, loaded_weight, shard_id)
+        self.loaded[shard_id] = loaded_weight
+
+
+def run_sglang_mla_load_weights(tensors: dict[str, torch.Tensor], config: dict) -> dict:
+    """Run the real Eagle3DeepseekV2ForCausalLM.load_weights, then its post_load_weights (kv_b_proj split into the
+    absorbed w_kc / w_vc), over `tensors` for the drafter config.json `config`. Returns {"calls": [(input names,
+    param, shard id, shape)], "params": {param: _RecordingParam}, "ignored": [input names nothing loaded],
+    "hot_token_id", "w_kc", "w_vc"}. Inputs the loader fuses (q_a_proj + kv_a_proj_with_mqa) share one call."""
+    shapes = sglang_mla_shapes(config)
+    calls: list = []
+
+    class _Logger:
+        @staticmethod
+        def warning(*args):
+            pass
+
+    def default_weight_loader(param, loaded_weight):
+        param.weight_loader(param, loaded_weight)
+
+    namespace = {"torch": torch, "re": __import__("re"), "Iterable": Iterable, "Tuple": Tuple,
+                 "default_weight_loader": default_weight_loader, "logger": _Logger}
+    load_weights = _compile_method(MLA_FILE, MLA_CLASS, "load_weights", namespace)
+    post_load = _compile_method(MLA_FILE, MLA_CLASS, "post_load_weights", {"torch": torch})
+    params = {n: _RecordingParam(n, calls) for n in sorted({"model.embed_tokens.weight", *(k for k, _ in shapes)})}
+    c = sglang_mla_config(config)
+    kv_b = types.SimpleNamespace(weight=None)
+    attn = types.SimpleNamespace(kv_b_proj=kv_b, qk_nope_head_dim=c.qk_nope_head_dim, v_head_dim=c.v_head_dim)
+    stand_in = types.SimpleNamespace(named_parameters=lambda: iter(params.items()), hot_token_id=None,
+                                     model=types.SimpleNamespace(midlayer=types.SimpleNamespace(self_attn=attn)))
+    stand_in.post_load_weights = lambda: None  # run below, once kv_b_proj's weight is in place
+    per_input: dict[str, list] = {}
+
+    def weights():
+        for name, tensor in tensors.items():
+            start = len(calls)
+            yield name, tensor
+            per_input[name] = calls[start:]
+
+    load_weights(stand_in, weights())
+    kv_b_name = "model.midlayer.self_attn.kv_b_proj.weight"
+    if None in params[kv_b_name].loaded:
+        kv_b.weight = params[kv_b_name].loaded[None].float()
+        post_load(stand_in)
+    fused = {n for n in tensors if "q_a_proj" in n or "kv_a_proj_with_mqa" in n}
+    ignored = [n for n, got in per_input.items() if not got and "d2t" not in n and "t2d" not in n and n not in fused]
+    if fused and not any("fused_qkv_a_proj_with_mqa" in p for p, *_ in calls):
+        ignored += sorted(fused)
+    records = [(name, *call) for name, got in per_input.items() for call in got]
+    return {"calls": records, "params": params, "ignored": ignored, "hot_token_id": stand_in.hot_token_id,
+            "w_kc": getattr(attn, "w_kc", None), "w_vc": getattr(attn, "w_vc", None), "shapes": shapes}
+
+
+def check_mla_drafter(tensors: dict[str, torch.Tensor], config: dict) -> list[str]:
+    """Problems SGLang 0.5.23's real MLA loader would hit with these tensors and this config.json ([] = none):
+    names it drops, parameters it never loads (they stay random), shapes other than the ones it builds."""
+    result = run_sglang_mla_load_weights(tensors, config)
+    want = result["shapes"]
+    problems = [f"{n}: ignored by SGLang's load_weights (no such parameter)" for n in result["ignored"]]
+    loaded = {(param, shard) for _, param, shard, _ in result["calls"]}
+    problems += [f"{p}[{s}]: never loaded (stays randomly initialised)" for p, s in sorted(want, key=str)
+                 if (p, s) not in loaded]
+    problems += [f"{src} -> {param}[{shard}]: {shape}, SGLang builds {want.get((param, shard))}"
+                 for src, param, shard, shape in result["calls"] if want.get((param, shard)) != shape]
+    if result["hot_token_id"] is None:
+        problems.append("d2t missing: SGLang gets no hot_token_id (draft->target id map)")
+    return problems

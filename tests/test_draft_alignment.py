@@ -54,13 +54,17 @@ def capture(module: torch.nn.Module) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("flags", [(), ("train.fc_norm=true", "train.norm_output=true")], ids=["eagle3", "eagle3.1"])
+@pytest.mark.parametrize("flags", [(), ("train.fc_norm=true", "train.norm_output=true"), ("train.draft_attention=mla",),
+                                   ("train.draft_attention=mla", "train.fc_norm=true", "train.norm_output=true")],
+                         ids=["eagle3", "eagle3.1", "mla", "mla-eagle3.1"])
 def test_ttt_step_outputs_equal_decode_time_drafts(seq, monkeypatch, flags):
     """Training's K unrolled steps compute what decoding drafts, row for row (EAGLE-3.1's fc_norm and norm_output:
-    the next step reads norm(h2) in both, or in neither)."""
+    the next step reads norm(h2) in both, or in neither; an MLA layer: TTT's keys of the earlier steps are the
+    draft cache's)."""
     cfg, model, prompt, answer, ids, aux, _ = seq
     drafter, _, _ = drafter_for(seq, 1, *flags)
-    assert drafter.config.norm_output == bool(flags)
+    assert drafter.config.norm_output == ("train.norm_output=true" in flags)
+    assert (drafter.config.mla is not None) == ("train.draft_attention=mla" in flags)
     drafter.eval()
     full = torch.cat([torch.tensor(prompt), torch.tensor(answer)])
     t_len, p_len = full.numel(), len(prompt)

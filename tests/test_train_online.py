@@ -127,7 +127,7 @@ def test_merged_attention_that_fails_its_check_stops_before_training(runs, tmp_p
     run = tmp_path / "cudnn"
     for part in ("conversations", "hidden"):
         shutil.copytree(offline.run_path / part, run / part)
-    monkeypatch.setattr(attention_check, "merged_gradient_errors", lambda device: {"fc.weight": 0.2, "norm.weight": 0.01})
+    monkeypatch.setattr(attention_check, "merged_gradient_errors", lambda device, mla=False: {"fc.weight": 0.2, "norm.weight": 0.01})
     with pytest.raises(UserError, match=r"cudnn: on this CPU its gradients differ .* by up to 20.0% \(fc.weight"):
         train(tiny(run, "train.kernels.attention=cudnn"))
     assert not (run / "train/metrics.jsonl").exists() and not (run / "drafter").exists()

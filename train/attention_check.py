@@ -13,6 +13,7 @@ import logging
 import torch
 
 from core.drafter import DrafterConfig, Eagle3Drafter
+from core.drafter_config import MLAShape
 from core.errors import UserError
 from train.ttt_loss import Rows, StepOptions, teacher_targets, ttt_loss
 
@@ -20,11 +21,17 @@ log = logging.getLogger("train")
 LIMIT = 0.03  # bf16 on a GPU: flex and the merged attention stay under 1%, the broken one was far over
 
 
-def merged_gradient_errors(device: torch.device) -> dict[str, float]:
+# an MLA layer of the kind the run trains: q/k heads 64 + 32 wide over v heads of 64 (the kernel pads v)
+CHECK_MLA = MLAShape(q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
+
+
+def merged_gradient_errors(device: torch.device, mla: bool = False) -> dict[str, float]:
     """-> {parameter: |grad_merged - grad_dense| / |grad_dense|} for one TTT step (K=4, batch 2 x 300 tokens,
-    60% of them in the loss, 4/2 heads of 64) on random O(1) weights. The caller's RNG state is left as it was."""
+    60% of them in the loss, 4/2 heads of 64, or 4 MLA heads) on random O(1) weights. The caller's RNG state is
+    left as it was."""
     c = DrafterConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=64, vocab_size=2048, draft_vocab_size=512, target_hidden_size=256)
+                      head_dim=64, vocab_size=2048, draft_vocab_size=512, target_hidden_size=256,
+                      mla=CHECK_MLA if mla else None)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
         with torch.device(device):
@@ -48,9 +55,10 @@ def merged_gradient_errors(device: torch.device) -> dict[str, float]:
     return {n: float((grads["merged"][n] - g).norm() / g.norm()) for n, g in grads["dense"].items()}
 
 
-def check_merged_attention(device: torch.device) -> None:
-    """Raise UserError if the merged attention's gradients on `device` are more than LIMIT off the dense path's."""
-    errors = merged_gradient_errors(device)
+def check_merged_attention(device: torch.device, mla: bool = False) -> None:
+    """Raise UserError if the merged attention's gradients on `device` (for an MLA drafter's layout with `mla`)
+    are more than LIMIT off the dense path's."""
+    errors = merged_gradient_errors(device, mla)
     worst = max(errors, key=errors.get)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     if errors[worst] > LIMIT:

@@ -27,6 +27,7 @@ from core import trained_prompts
 from core.atomic_io import atomic_write_json, read_jsonl
 from core.config import RunConfig, TrainConfig, TrainKernels, to_dict
 from core.drafter import DrafterConfig, Eagle3Drafter
+from core.drafter_config import DraftVariant
 from core.errors import UserError
 from core.manifest import open_stage_dir, write_manifest
 from core.stage_lock import stage_lock, stage_reader
@@ -55,9 +56,8 @@ log = logging.getLogger("train")
 
 def drafter_config(cfg: RunConfig, aux_layers: list[int], draft_vocab_size: int) -> DrafterConfig:
     """The drafter train builds for cfg's target, with the EAGLE-3.1 variant cfg.train asks for."""
-    t = cfg.train
-    return DrafterConfig.for_target(read_target_config(target_info(cfg).path), aux_layers, draft_vocab_size,
-                                    t.norm_before_fc, t.fc_norm, t.norm_output)
+    tc = read_target_config(target_info(cfg).path)
+    return DrafterConfig.for_target(tc, aux_layers, draft_vocab_size, DraftVariant.of(tc, cfg.train))
 
 
 def build_drafter(cfg: RunConfig, aux_layers: list[int], draft_ids, t2d, target: TargetHead,
@@ -156,9 +156,9 @@ def auto_attention(kernels: TrainKernels, cuda: bool, dc: DrafterConfig) -> str:
     rows, flex for packed rows or where cuDNN does not take the head dim, dense where flex does not either."""
     if not cuda or dc.hidden_size < COMPILED_MIN_HIDDEN:
         return "dense"
-    if cudnn_takes(dc.head_dim) and not kernels.pack_length:
+    if cudnn_takes(dc.kernel_head_dim) and not kernels.pack_length:
         return "cudnn"
-    return "flex" if dc.head_dim >= FLEX_MIN_HEAD_DIM else "dense"
+    return "flex" if dc.qk_head_dim >= FLEX_MIN_HEAD_DIM else "dense"
 
 
 def step_options(kernels: TrainKernels, device: torch.device, dc: DrafterConfig) -> StepOptions:
@@ -166,7 +166,7 @@ def step_options(kernels: TrainKernels, device: torch.device, dc: DrafterConfig)
     train/fit.py's: it packs the batch, and TTTObjective reads the packed rows' doc_ids and positions). auto picks
     the fastest paths measured (docs/PERFORMANCE.md): `auto_attention`, and on CUDA the K steps as one compiled
     graph for drafters of at least COMPILED_MIN_HIDDEN."""
-    cuda, head_dim = device.type == "cuda", dc.head_dim
+    cuda, head_dim = device.type == "cuda", dc.qk_head_dim
     attention = auto_attention(kernels, cuda, dc) if kernels.attention == "auto" else kernels.attention
     if attention == "flex" and head_dim < FLEX_MIN_HEAD_DIM:
         raise UserError(f"train.kernels.attention = flex: its CUDA kernels need a head dim of at least "
@@ -177,9 +177,9 @@ def step_options(kernels: TrainKernels, device: torch.device, dc: DrafterConfig)
     if attention == "cudnn" and kernels.pack_length:
         raise UserError("train.kernels.attention = cudnn takes one document per row: use flex (or dense) with "
                         "train.kernels.pack_length, or set train.kernels.pack_length=0")
-    if attention == "cudnn" and cuda and not cudnn_takes(head_dim):
+    if attention == "cudnn" and cuda and not cudnn_takes(dc.kernel_head_dim):
         raise UserError(f"train.kernels.attention = cudnn: cuDNN takes head dims that are multiples of 8 up to 128, "
-                        f"this drafter's is {head_dim}: use train.kernels.attention=flex (or auto)")
+                        f"this drafter's is {dc.kernel_head_dim}: use train.kernels.attention=flex (or auto)")
     unroll = kernels.compile == "unroll" or (kernels.compile == "auto" and cuda and dc.hidden_size >= COMPILED_MIN_HIDDEN)
     log.info("TTT step: %s attention, fused head loss in chunks of %s rows, %s, activation checkpointing %s, "
              "batches %s%s", attention, kernels.loss_chunk or "(off)", "one compiled graph" if unroll else "eager",
@@ -275,9 +275,10 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     # the settings' checks, before any manifest is written: a corrected rerun needs no --fresh
     check_draft_vocab_size(tc.draft_vocab_size, target_info(cfg).vocab_size)
     check_weight_precision(tc.kernels, accelerator)
-    options = step_options(tc.kernels, accelerator.device, drafter_config(cfg, [], tc.draft_vocab_size))
+    dc = drafter_config(cfg, [], tc.draft_vocab_size)
+    options = step_options(tc.kernels, accelerator.device, dc)
     if options.attention == "merged":  # its gradients against the dense path's, on this device
-        check_merged_attention(accelerator.device)
+        check_merged_attention(accelerator.device, mla=dc.mla is not None)
     source = SOURCES[tc.source](cfg, accelerator.device)
     settings, runtime = open_run(cfg, accelerator, source, fresh)
     accelerator.wait_for_everyone()

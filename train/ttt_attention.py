@@ -149,6 +149,12 @@ def _fold(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x if rep == 1 else x.view(b, n // rep, rep, t, d).sum(2)
 
 
+def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [..., d] zero-padded to [..., width]: the causal kernels take one head dim for q, k and v, an MLA drafter
+    has v heads narrower than its q/k heads. Zero columns change no score and give zero output columns."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
+
+
 def _grouped(x: torch.Tensor, nkv: int) -> torch.Tensor:
     """[B,nh,T,...] -> [B,nkv,rep,T,...]: query heads grouped by the key head they share (GQA), no copy."""
     return x.unflatten(1, (nkv, x.shape[1] // nkv))
@@ -203,7 +209,10 @@ class _MergedAttention(torch.autograd.Function):
         rep, scale = q.shape[1] // keys[0].shape[1], q.shape[-1] ** -0.5
         fwd, _, grouped = _causal_kernel(q.device.type)
         rep = 1 if grouped else rep  # the kernel's own GQA: k/v as they are
-        out0, lse0, state = fwd(q, _expand(keys[0], rep), _expand(values[0], rep), scale)
+        width = max(q.shape[-1], values[0].shape[-1])
+        out0, lse0, state = fwd(_widen(q, width), _widen(_expand(keys[0], rep), width),
+                                _widen(_expand(values[0], rep), width), scale)
+        out0 = out0[..., :values[0].shape[-1]]
         merge = compiled(merge_diagonal, dynamic=False) if q.is_cuda else merge_diagonal
         out, lse = merge(q, out0, lse0, tuple(keys[1:]), tuple(values[1:]))
         ctx.save_for_backward(q, out, lse, *kv)
@@ -218,7 +227,10 @@ class _MergedAttention(torch.autograd.Function):
         rep, scale = ctx.rep, ctx.scale
         _, bwd, _ = _causal_kernel(q.device.type)
         dout = dout.contiguous()
-        dq, dk0, dv0 = bwd(dout, q, _expand(keys[0], rep), _expand(values[0], rep), out, lse, ctx.state, scale)
+        width, dqk, dvw = max(q.shape[-1], values[0].shape[-1]), q.shape[-1], values[0].shape[-1]
+        dq, dk0, dv0 = bwd(_widen(dout, width), _widen(q, width), _widen(_expand(keys[0], rep), width),
+                           _widen(_expand(values[0], rep), width), _widen(out, width), lse, ctx.state, scale)
+        dq, dk0, dv0 = dq[..., :dqk], dk0[..., :dqk], dv0[..., :dvw]
         dkeys, dvalues = [_fold(dk0, rep)], [_fold(dv0, rep)]
         if n > 1:
             grads = compiled(diagonal_grads, dynamic=False) if q.is_cuda else diagonal_grads
