@@ -62,6 +62,9 @@ class DraftVariant(NamedTuple):
         return cls(train.norm_before_fc, train.fc_norm, train.norm_output, mla)
 
 
+PLAIN_EAGLE3 = DraftVariant()
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -109,9 +112,9 @@ class DrafterConfig:
 
     @classmethod
     def for_target(cls, tc: dict, aux_layers: list[int], draft_vocab_size: int,
-                   variant: DraftVariant = DraftVariant()) -> DrafterConfig:
+                   variant: DraftVariant = PLAIN_EAGLE3) -> DrafterConfig:
         """The drafter train builds for a target: one layer of the target's width, heads and MLP (tc =
-        core.target.read_target_config: a MoE target's `intermediate_size` is its dense MLP's), Llama GQA or MLA."""
+        core.target.read_target_config: a MoE target's dense MLP width), Llama GQA or MLA."""
         hidden, heads = tc["hidden_size"], tc["num_attention_heads"]
         rope = tc.get("rope_parameters") or {}
         return cls(

@@ -4,6 +4,7 @@ checkpoint's layout (multimodal wrapper, `language_model.` weight names, 61 Deep
 a remote-code tokenizer, Kimi's chat template with thinking) at toy widths. Only the sizes are overridden."""
 
 import json
+import shutil
 
 import pyarrow.parquet as pq
 import pytest
@@ -17,7 +18,12 @@ from core.target import SMOLLM2, load_tokenizer, resolve_target
 from extract.sglang_launch import launch_vars
 from tests.conftest import ROOT, run_stage
 from tests.fake_openai_server import FakeOpenAIServer
-from tests.sglang_source import check_drafter_shapes, check_drafter_tensor_names, sglang_capture_layers
+from tests.sglang_source import (
+    check_drafter_shapes,
+    check_drafter_tensor_names,
+    check_mla_drafter,
+    sglang_capture_layers,
+)
 from tests.tiny_kimi import build_tiny_kimi
 
 KIMI = "configs/kimi-k2.5.yaml"
@@ -146,3 +152,29 @@ def test_our_engine_decodes_kimi_losslessly(chain):
     report = json.loads((run_dir / "eval/report.json").read_text())
     assert report["outputs_match_baseline"] is True and report["num_prompts"] == 2
     assert report["acceptance_length"] >= 1.0
+
+
+@pytest.fixture(scope="module")
+def mla_chain(chain, kimi, tmp_path_factory):
+    """train + eval of an MLA drafter (train.draft_attention=mla, sizes from the target) on the chain's shards."""
+    model, _ = kimi
+    run_dir = tmp_path_factory.mktemp("kimi-mla") / "run"
+    for stage in ("conversations", "hidden"):
+        shutil.copytree(chain[1] / stage, run_dir / stage)
+    for stage in ("train", "eval"):
+        run_stage(stage, *flags(model, run_dir, "train.draft_attention=mla"))
+    return run_dir
+
+
+def test_the_mla_drafter_loads_in_sglangs_mla_class_and_decodes_losslessly(mla_chain):
+    """Kimi's MLA draft layer: the target's own MLA sizes, every tensor loaded by SGLang 0.5.23's
+    Eagle3DeepseekV2ForCausalLM by name and shape, its aux ids capturing 3/31/59, our engine lossless with it."""
+    config = json.loads((mla_chain / "drafter/config.json").read_text())
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "kimi_k2"
+    assert [config[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                "v_head_dim")] == [16, 16, 8, 8, 8]
+    assert check_mla_drafter(load_file(str(mla_chain / "drafter/model.safetensors")), config) == []
+    assert sglang_capture_layers("deepseek_v2.py", config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+                                 61) == [3, 31, 59]
+    report = json.loads((mla_chain / "eval/report.json").read_text())
+    assert report["outputs_match_baseline"] is True and report["num_prompts"] == 2
