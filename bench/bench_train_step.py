@@ -4,6 +4,8 @@
     python bench/bench_train_step.py --with-optimizer --seqlens 2048,4096,8192,16384 \
         --specforge-wheel specforge-0.2.0-py3-none-any.whl --specforge-harness specforge_step.py
     python bench/bench_train_step.py --smoke          # CPU check of this script (tiny shapes)
+    python bench/bench_train_step.py --config configs/kimi-k2.5.yaml --target-config configs/targets/kimi-k2.5 \
+        --draft-attention mla --variants config,dense   # Kimi-K2.5's MLA drafter (gqa: its Llama-style one)
 
 The step runs with the train.kernels of --config (default configs/llama-3.1-8b-instruct.yaml, the shipped 8B
 recipe), resolved by train.loop.step_options on this device as a run resolves them: variant `config` is what a
@@ -50,7 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import TrainConfig, TrainKernels, load_config  # noqa: E402
 from core.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from train.loop import frozen_to_matmul_dtype, make_optimizer, step_options  # noqa: E402
+from core.drafter_config import DraftVariant, MLAShape  # noqa: E402
+from core.plan import drafter_params  # noqa: E402
+from core.target import read_target_config  # noqa: E402
+from train.loop import cudnn_takes, frozen_to_matmul_dtype, make_optimizer, step_options  # noqa: E402
 from train.master_weights import weights_to_bf16  # noqa: E402
 from train.packing import pack  # noqa: E402
 from train.ttt_loss import TTTObjective, teacher_targets  # noqa: E402
@@ -59,25 +64,40 @@ SHAPE = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128
 SMOKE = dict(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, draft_vocab=128)
 
 
+def drafter_config(s: dict) -> DrafterConfig:
+    """The drafter of shape s (mla: an MLAShape for an MLA draft layer, else GQA)."""
+    return DrafterConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_attention_heads=s["heads"],
+                         num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], vocab_size=s["vocab"],
+                         draft_vocab_size=s["draft_vocab"], target_hidden_size=s["hidden"], rope_theta=500000.0,
+                         max_position_embeddings=131072, mla=s.get("mla"))
+
+
+def target_shape(path: str, draft_attention: str) -> dict:
+    """--target-config: the drafter train builds for that target (a config.json's dir, e.g.
+    configs/targets/kimi-k2.5), draft vocab 32000, GQA or MLA of the target's sizes."""
+    tc = read_target_config(Path(path))
+    mla = MLAShape.for_target(tc, {}) if draft_attention == "mla" else None
+    dc = DrafterConfig.for_target(tc, [], 32000, DraftVariant(mla=mla))
+    return dict(hidden=dc.hidden_size, intermediate=dc.intermediate_size, heads=dc.num_attention_heads,
+                kv_heads=dc.num_key_value_heads, head_dim=dc.head_dim, vocab=dc.vocab_size, draft_vocab=32000, mla=mla)
+
+
 def flops_per_token(s: dict, t: int, k_steps: int, span: float | None = None) -> float:
-    """span: the mean number of step-0 keys a query attends to ((t+1)/2 for one causal document)."""
-    h, d = s["hidden"], s["head_dim"]
+    """span: the mean number of step-0 keys a query attends to ((t+1)/2 for one causal document). Linear layers:
+    2 FLOPs per weight (core.plan.drafter_params); attention 2 * heads * (q/k width + v width) per key."""
+    dc = drafter_config(s)
+    p = drafter_params(dc)
     span = (t + 1) / 2 if span is None else span
-    fc = 2 * 3 * h * h
-    linear = (2 * 2 * h * (s["heads"] + 2 * s["kv_heads"]) * d + 2 * s["heads"] * d * h
-              + 2 * 3 * h * s["intermediate"] + 2 * h * s["draft_vocab"])
-    attn = sum(4 * s["heads"] * d * (span + k) for k in range(k_steps))
+    fc, linear = 2 * p["fc"], 2 * (p["self_attn"] + p["mlp"] + p["lm_head"])
+    v_width = dc.mla.v_head_dim if dc.mla else dc.head_dim
+    attn = sum(2 * dc.num_attention_heads * (dc.qk_head_dim + v_width) * (span + k) for k in range(k_steps))
     return 2 * fc + 3 * (k_steps * linear + attn)
 
 
 def build(s: dict, device: torch.device, seed: int = 0) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    c = DrafterConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_attention_heads=s["heads"],
-                      num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], vocab_size=s["vocab"],
-                      draft_vocab_size=s["draft_vocab"], target_hidden_size=s["hidden"], rope_theta=500000.0,
-                      max_position_embeddings=131072)
     with torch.device(device):
-        d = Eagle3Drafter(c)
+        d = Eagle3Drafter(drafter_config(s))
     draft_ids = torch.randperm(s["vocab"], generator=torch.Generator().manual_seed(0))[: s["draft_vocab"]].sort().values
     d.t2d.zero_()
     d.t2d[draft_ids.to(device)] = True
@@ -185,10 +205,13 @@ def bench(args, s: dict, t: int, variant: str, kernels: TrainKernels, device) ->
 
 
 def parity(args, device) -> dict:
-    """fp32, small shape, partial masks, a length that needs padding: fast path vs plain reference."""
+    """fp32, small shape (an MLA layer of Kimi's head widths with --draft-attention mla), partial masks, a length
+    that needs padding: fast path vs plain reference."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     s = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, vocab=2048, draft_vocab=512)
+    if args.draft_attention == "mla":  # Kimi-K2.5's per-head MLA widths: q/k 128 + 64, v 128
+        s["mla"] = MLAShape(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     d = build(s, device, seed=3)
     for p in d.parameters():  # O(1) random weights, so every path carries signal
         if p.dim() == 2 and p.requires_grad:
@@ -211,10 +234,11 @@ def parity(args, device) -> dict:
                                         "flex_unroll_packed": (unroll, packed)}, "parity"))
     torch.backends.cuda.matmul.allow_tf32 = True
     if "bf16" in args.parity:
-        with torch.autocast("cuda", torch.bfloat16):  # cuDNN's attention has no fp32 kernel: all three in bf16
-            recs.append(compare(d, device, {"reference": (reference, padded), "flex_unroll": (unroll, padded),
-                                            "cudnn_unroll": (dataclasses.replace(unroll, attention="cudnn"), padded)},
-                                "parity_bf16"))
+        paths = {"reference": (reference, padded), "flex_unroll": (unroll, padded)}
+        if cudnn_takes(d.config.kernel_head_dim):
+            paths["cudnn_unroll"] = (dataclasses.replace(unroll, attention="cudnn"), padded)
+        with torch.autocast("cuda", torch.bfloat16):  # cuDNN's attention has no fp32 kernel: all in bf16
+            recs.append(compare(d, device, paths, "parity_bf16"))
     if "alone" in args.parity:
         recs.append(merged_attention_alone(device))
     return recs
@@ -355,9 +379,14 @@ def main() -> None:
     ap.add_argument("--attention-only", action="store_true",
                     help="time the K attention calls alone per kernel (flex, flash, cudnn) at --seqlens, and stop")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks this script runs")
+    ap.add_argument("--target-config", default="", help="the drafter of this target instead of the 8B shape: its "
+                                                        "config dir, e.g. configs/targets/kimi-k2.5")
+    ap.add_argument("--draft-attention", default="gqa", choices=("gqa", "mla"), help="with --target-config")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    s = SMOKE if args.smoke else SHAPE
+    s = SMOKE if args.smoke else target_shape(args.target_config, args.draft_attention) if args.target_config else SHAPE
+    if args.smoke and args.draft_attention == "mla":
+        s = {**s, "mla": MLAShape(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)}
     seqlens = [int(x) for x in args.seqlens.split(",")]
     args.profile = [int(x) for x in args.profile.split(",") if x]
     kernels = load_config(args.config).train.kernels

@@ -308,7 +308,8 @@ def test_merged_attention_checks_itself_against_the_dense_path_and_names_what_is
         attention_check.check_merged_attention(torch.device("cpu"))
 
 
-def test_step_benchmark_runs_and_records_a_finite_step(tmp_path):
+@pytest.mark.parametrize("draft_attention", ["gqa", "mla"])
+def test_step_benchmark_runs_and_records_a_finite_step(tmp_path, draft_attention):
     """bench/bench_train_step.py --smoke (tiny shapes, CPU): the GPU benchmark's own step code runs and writes
     its record, so the script the docs' GPU tables come from cannot rot between device sessions."""
     import json
@@ -319,7 +320,8 @@ def test_step_benchmark_runs_and_records_a_finite_step(tmp_path):
 
     out = tmp_path / "step.jsonl"
     script = Path(__file__).resolve().parents[1] / "bench" / "bench_train_step.py"
-    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], check=True, capture_output=True,
+    subprocess.run([sys.executable, str(script), "--smoke", "--draft-attention", draft_attention, "--out", str(out)],
+                   check=True, capture_output=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert rec["impl"] == "eagle3" and rec["seq_len"] == 64 and "error" not in rec
