@@ -95,7 +95,8 @@ class Attention(nn.Module):
         """in_projs' outputs [B,T,*] -> q [B,nh,T,d], k/v [B,nkv,T,d], RoPE applied."""
         c, (q, k, v) = self.c, projected
         b, t = q.shape[:2]
-        q, k, v = (y.view(b, t, -1, c.head_dim).transpose(1, 2) for y in (q, k, v))
+        q = q.view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)  # explicit heads: t may be 0
+        k, v = (y.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2) for y in (k, v))
         return apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta), v
 
 
@@ -129,10 +130,11 @@ class MLAAttention(nn.Module):
         m, nh, theta = self.c.mla, self.c.num_attention_heads, self.c.rope_theta
         q_a, kv_a = projected
         b, t = q_a.shape[:2]
-        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(b, t, nh, -1).transpose(1, 2)
+        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(b, t, nh, self.c.qk_head_dim).transpose(1, 2)
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
         latent, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, nh, -1).transpose(1, 2)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, nh, m.qk_nope_head_dim + m.v_head_dim)
+        kv = kv.transpose(1, 2)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], -1)
         k_pe = apply_rope(k_pe[:, None], positions, theta, interleaved=True)  # [B,1,T,rope]
         q = torch.cat([q_nope, apply_rope(q_pe, positions, theta, interleaved=True)], -1)

@@ -21,7 +21,7 @@ put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V10 is
 conversations part checksums, logs of a run killed before its first checkpoint and eval on training prompts, the lossless check, loss decay
 and gradient clipping in the gradient, RoPE's direction, the norms' placement and a full disk
 in safetensors' words, V11-V13 reader locks and the gradient between TTT
-steps, B6-B9 EAGLE-3.1's fc_norm and norm_output.
+steps, B6-B9 EAGLE-3.1's fc_norm and norm_output, L1-L9 issue 51's MLA draft layer.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ FAST = ("tests/test_ttt_fast_paths.py",)
 PACKING = ("tests/test_packing.py",)
 KIMI = ("tests/test_kimi_chain.py",)
 NORM_FC = ("tests/test_drafter.py",)
+MLA = ("tests/test_mla_drafter.py",)
 TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_output",)
 ONLINE = ("tests/test_train_online.py",)
 STATIC = ("tests/test_generate_static.py",)
@@ -146,7 +147,8 @@ MUTANTS = [
            "_MergedAttention.apply(q.contiguous(), *(k.contiguous() for k in keys), *(v.contiguous() for v in values))",
            "_MergedAttention.apply(q, *keys, *values)", FAST),
     Mutant("F10", "train uses the cudnn attention without checking it on the device first", "train/loop.py",
-           "        check_merged_attention(accelerator.device)", "        pass", ("tests/test_train_online.py",)),
+           "        check_merged_attention(accelerator.device, mla=dc.mla is not None)", "        pass",
+           ("tests/test_train_online.py",)),
     Mutant("F11", "the attention check lets any gradient error through", "train/attention_check.py",
            "    if errors[worst] > LIMIT:", "    if errors[worst] > 100 * LIMIT:", FAST),
     Mutant("H1", "bf16 weights: the checkpoint loses the fp32 masters (a resume continues from the rounded weights)",
@@ -303,7 +305,7 @@ MUTANTS = [
            '    if base["models"] != spec["models"]:', "    if False:",
            ("tests/test_server_eval.py::test_passes_of_two_different_targets_are_not_combined",)),
     Mutant("KM6", "the exported config.json's head_dim is not the one the tensors were built with",
-           "core/drafter_config.py", '"head_dim": self.head_dim,', '"head_dim": 2 * self.head_dim,',
+           "core/drafter_config.py", '"head_dim": self.head_dim}', '"head_dim": 2 * self.head_dim}',
            ("tests/test_target_configs.py::test_full_size_export_loads_in_sglang_with_every_shape",)),
     Mutant("V1", "a stage reads an upstream whose manifest says in progress", "core/manifest.py",
            '    if manifest.get("counts", {}).get("status") == IN_PROGRESS:', "    if False:",
@@ -329,7 +331,8 @@ MUTANTS = [
            "norm = accelerator.clip_grad_norm_(f.objective.parameters(), tc.grad_clip)",
            "norm = accelerator.clip_grad_norm_(f.objective.parameters(), float('inf'))",
            ("tests/test_run_integrity.py::test_every_optimizer_step_sees_gradients_clipped_to_grad_clip",)),
-    Mutant("V8", "RoPE rotates the other way", "core/drafter.py", "torch.cat([-x2, x1], -1)", "torch.cat([x2, -x1], -1)",
+    Mutant("V8", "RoPE rotates the other way", "core/drafter.py", "out = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)",
+           "out = (x1 * cos + x2 * sin, x2 * cos - x1 * sin)",
            ("tests/test_drafter.py::test_rope_rotates_as_transformers_llama_does",)),
     Mutant("V9", "the two RMSNorms of the attention input swapped", "core/drafter.py",
            "x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], -1)",
@@ -355,6 +358,32 @@ MUTANTS = [
            ("tests/test_draft_alignment.py::test_ttt_step_outputs_equal_decode_time_drafts",)),
     Mutant("B9", "llama.cpp's export converts a drafter whose fc_norm / norm_output its converter ignores",
            "eval/llamacpp.py", "    if ignored:", "    if False:", NORM_FC),
+    Mutant("L1", "the MLA layer's attention input concatenated [hidden, embed] instead of [embed, hidden]",
+           "core/drafter.py",
+           "x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], -1)",
+           "x = torch.cat([layer.hidden_norm(hidden), layer.input_layernorm(self.embed_tokens(tokens))], -1)", MLA),
+    Mutant("L2", "RoPE applied to the query's nope part instead of its rope part", "core/drafter.py",
+           "q = torch.cat([q_nope, apply_rope(q_pe, positions, theta, interleaved=True)], -1)",
+           "q = torch.cat([apply_rope(q_nope, positions, theta, interleaved=True), q_pe], -1)", MLA),
+    Mutant("L3", "the shared RoPE key rotated Llama's way (halves) instead of DeepSeek's interleaved pairs",
+           "core/drafter.py", "k_pe = apply_rope(k_pe[:, None], positions, theta, interleaved=True)",
+           "k_pe = apply_rope(k_pe[:, None], positions, theta)", MLA),
+    Mutant("L4", "the KV latent not normalised before kv_b_proj", "core/drafter.py",
+           "kv = self.kv_b_proj(self.kv_a_layernorm(latent))", "kv = self.kv_b_proj(latent)", MLA),
+    Mutant("L5", "the MLA config.json's model_type is not SGLang's registered kimi_k2", "core/drafter_config.py",
+           '"model_type": "kimi_k2"', '"model_type": "deepseek_v2"', MLA),
+    Mutant("L6", "llama.cpp's export converts an MLA drafter its converter reads as Llama", "eval/llamacpp.py",
+           '    if config.get("architectures") != [GQA_ARCHITECTURE]:', "    if False:", MLA),
+    Mutant("L7", "the plan's MLA draft KV leaves out the shared RoPE key", "core/drafter_config.py",
+           "return 2 * (self.kv_lora_rank + self.qk_rope_head_dim)", "return 2 * self.kv_lora_rank",
+           ("tests/test_kimi_plan.py::test_kimi_plan_prints_disk_memory_and_the_hand_patched_run",)),
+    Mutant("L8", "the planned MLA parameter count leaves out kv_b_proj", "core/plan.py",
+           "                     + m.kv_lora_rank * nh * (m.qk_nope_head_dim + m.v_head_dim) + nh * m.v_head_dim * h)",
+           "                     + nh * m.v_head_dim * h)",
+           ("tests/test_target_configs.py::test_planned_parameter_counts_are_the_drafters",)),
+    Mutant("L9", "the merged (cuDNN) TTT attention keeps the kernel's zero-padded output columns of an MLA v",
+           "train/ttt_attention.py", "        out0 = out0[..., :values[0].shape[-1]]\n", "",
+           ("tests/test_ttt_fast_paths.py::test_merged_attention_checks_itself_against_the_dense_path_and_names_what_is_off",)),
     Mutant("V13", "each TTT step reads the previous step's hidden state detached (no gradient between steps)",
            "train/ttt_loss.py", "        hidden = drafter.next_input(hidden, normed)",
            "        hidden = drafter.next_input(hidden, normed).detach()",

@@ -158,7 +158,9 @@ def enum_keys(cfg=None, prefix: str = "") -> list[tuple[str, tuple]]:
 
 
 def test_every_enum_of_the_config_is_declared():
-    assert len(enum_keys()) == 20 and ("train.kernels.attention", ("auto", "dense", "flex", "cudnn")) in enum_keys()
+    keys = enum_keys()
+    assert len(keys) == 21 and ("train.kernels.attention", ("auto", "dense", "flex", "cudnn")) in keys
+    assert ("train.draft_attention", ("gqa", "mla")) in keys
 
 
 @pytest.mark.parametrize("key, choices", enum_keys(), ids=[k for k, _ in enum_keys()])

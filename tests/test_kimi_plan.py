@@ -27,9 +27,13 @@ def test_target_parameters_are_the_modules(name):
 def test_kimi_plan_prints_disk_memory_and_the_hand_patched_run(tmp_path):
     text = format_plan(load_config(ROOT / "configs/kimi-k2.5.yaml", [f"run_dir={tmp_path}"]), world_size=8)
     assert "1,026.41B parameters -> 1.9 TiB in bf16" in text
-    # what the drafter costs a server in KV cache: 2 x 64 heads x 112 dims beside the target's 61 MLA latents
-    assert ("KV cache per token in bf16: the drafter 28.0 KiB (GQA: 2 x 64 x 112, one layer) beside the target's "
-            "68.6 KiB (MLA: (512 + 64) x 61 layers): +41% per sequence while drafting") in text
+    # what the drafter costs a server in KV cache: 2 x 64 heads x 112 dims, or one MLA latent, beside the target's 61
+    assert ("draft KV cache per token in bf16 (one layer; +% of the target's while drafting): gqa 28.0 KiB (GQA: 2 x "
+            "64 x 112, +41%) <- this run, mla 1.1 KiB (MLA: 512 + 64, +2%); the target's 68.6 KiB (MLA: (512 + 64) x "
+            "61 layers)") in text
+    mla = format_plan(load_config(ROOT / "configs/kimi-k2.5.yaml", ["train.draft_attention=mla"]))
+    assert "gqa 28.0 KiB (GQA: 2 x 64 x 112, +41%), mla 1.1 KiB (MLA: 512 + 64, +2%) <- this run" in mla
+    assert "MLA 64 heads: q_lora 1536, kv_lora 512, qk 128+64, v 128" in mla
     assert "that run's dump took 924 GiB for 10,000 samples" in text
     # 1,730 tokens x (4 + 1 + 4 x 7168 x 2) B = 924 GiB: our bf16 layout is the hand-patched one, fp8 half
     assert "10,000 samples: fp8_e4m3 462 / 4,378, bf16 924 / 8,751" in text

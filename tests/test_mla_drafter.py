@@ -207,3 +207,13 @@ def test_mla_shape_defaults_from_the_target():
     assert MLAShape.for_target(smol, {"kv_lora_rank": 128}).kv_lora_rank == 128
     with pytest.raises(UserError, match="must be even"):
         MLAShape.for_target(smol, {"qk_rope_head_dim": 31})
+
+
+def test_llamacpp_export_refuses_an_mla_drafter_in_one_line(tmp_path):
+    """llama.cpp b11434's converter takes LlamaForCausalLMEagle3 only: an MLA drafter is refused before it runs."""
+    from eval.llamacpp import convert_drafter
+
+    make_mla_drafter().save_pretrained(tmp_path / "d")
+    with pytest.raises(UserError, match="llama.cpp b11434's converter takes LlamaForCausalLMEagle3 drafters only"):
+        convert_drafter(tmp_path / "no-tree", tmp_path / "d", tmp_path / "no-target", tmp_path / "d.gguf")
+    assert not (tmp_path / "d.gguf").exists()

@@ -11,6 +11,7 @@ import torch
 from core.aux_layers import resolve_aux_layers
 from core.config import TrainKernels, check_ranges, load_config
 from core.drafter import EXPORT_EXCLUDE, DrafterConfig, Eagle3Drafter
+from core.drafter_config import MLAShape
 from core.plan import drafter_params, plan, shard_bytes_per_token, train_memory
 from core.target import read_target_config, target_info
 from extract.sglang_launch import launch_vars
@@ -137,8 +138,11 @@ def test_full_size_export_loads_in_sglang_with_every_shape(name, tmp_path):
     DrafterConfig(hidden_size=56, intermediate_size=96, num_attention_heads=8, num_key_value_heads=8, head_dim=7,
                   vocab_size=90, draft_vocab_size=30, target_hidden_size=80),
     DrafterConfig(hidden_size=56, intermediate_size=96, num_attention_heads=8, num_key_value_heads=8, head_dim=7,
-                  vocab_size=90, draft_vocab_size=30, target_hidden_size=80, norm_before_fc=True, fc_norm=True)],
-    ids=["gqa", "mha-other-target", "eagle3.1-norms"])
+                  vocab_size=90, draft_vocab_size=30, target_hidden_size=80, norm_before_fc=True, fc_norm=True),
+    DrafterConfig(hidden_size=56, intermediate_size=96, num_attention_heads=8, num_key_value_heads=8, head_dim=7,
+                  vocab_size=90, draft_vocab_size=30, target_hidden_size=80, fc_norm=True,
+                  mla=MLAShape(q_lora_rank=24, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5))],
+    ids=["gqa", "mha-other-target", "eagle3.1-norms", "mla"])
 def test_planned_parameter_counts_are_the_drafters(dc):
     counts, d = drafter_params(dc), Eagle3Drafter(dc)
     assert sum(counts.values()) == sum(p.numel() for p in d.parameters())

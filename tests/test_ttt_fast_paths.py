@@ -4,6 +4,7 @@ here) against the dense [T,T] attention, the fused chunked head loss against pla
 activation checkpointing, at 1e-5 in fp32 on random inputs with partial loss masks.
 Flex attention has no backward on CPU, so its gradients are checked on the GPU (bench/bench_train_step.py)."""
 
+import dataclasses
 import re
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from core.config import load_config
 from core.drafter import DrafterConfig, Eagle3Drafter
+from core.drafter_config import MLAShape
 from train import ttt_attention
 from train.draft_head_loss import draft_head_loss
 from train.ttt_attention import (
@@ -198,10 +200,14 @@ def test_pruned_steps_run_on_the_counted_rows_only(monkeypatch):
         assert torch.stack(masks[k:]).any(0)[bi, ti].all() and int(torch.stack(masks[k:]).any(0).sum()) == n
 
 
-def test_pruned_steps_take_a_batch_that_no_later_step_counts():
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_pruned_steps_take_a_batch_that_no_later_step_counts(mla):
     """A micro-batch of prompts only (or answers too short for steps >= 1): the pruned steps run on 0 rows and
-    give the plain path's zero loss and gradients, not an error."""
+    give the plain path's zero loss and gradients, not an error (an MLA layer's heads too)."""
     d = drafter()
+    if mla:
+        gqa, d = d, Eagle3Drafter(dataclasses.replace(d.config, mla=MLAShape(24, 16, 8, 4, 6)))
+        d.load_state_dict(gqa.state_dict(), strict=False)  # the embedding and draft vocab; attention its own
     aux, ids, mask, teacher = inputs(2, 40, d)
     mask[:] = 0
     mask[:, 2] = 1  # one answer token, x[2]: step 0 counts row 0 (x[t+2]); step k >= 1 would need row -k
@@ -287,7 +293,8 @@ def test_unrolled_compile_gives_the_reference_loss_and_gradients(monkeypatch, at
     assert counter.frame_count == 1  # the three steps became one graph (the merged kernel inside it), and it ran
 
 
-def test_merged_attention_checks_itself_against_the_dense_path_and_names_what_is_off(monkeypatch):
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_merged_attention_checks_itself_against_the_dense_path_and_names_what_is_off(monkeypatch, mla):
     """train/attention_check.py: on a correct kernel (CPU, fp32) every gradient agrees and the check passes; with
     the diagonal terms dropped, as a broken kernel might, it stops with the parameter and the limit. The caller's
     RNG is left as it was (training's data order and init must not depend on whether the kernel was checked)."""
@@ -296,16 +303,17 @@ def test_merged_attention_checks_itself_against_the_dense_path_and_names_what_is
     from train import ttt_loss as module
 
     state = torch.get_rng_state()
-    errors = attention_check.merged_gradient_errors(torch.device("cpu"))
+    errors = attention_check.merged_gradient_errors(torch.device("cpu"), mla)  # MLA: v heads narrower than q/k
     assert torch.equal(torch.get_rng_state(), state)
     assert len(errors) >= 10 and max(errors.values()) < 1e-4
-    attention_check.check_merged_attention(torch.device("cpu"))
+    assert ("midlayer.self_attn.kv_b_proj.weight" in errors) == mla
+    attention_check.check_merged_attention(torch.device("cpu"), mla)
     real = module.merged_ttt_attention
     monkeypatch.setattr(module, "merged_ttt_attention", lambda q, keys, values: real(q, keys[:1], values[:1]))
     with pytest.raises(UserError, match=r"train.kernels.attention = cudnn: on this CPU its gradients differ from the "
                                         r"dense path's by up to \d+\.\d% \(.+; 3% allowed\): use "
                                         r"train.kernels.attention=flex"):
-        attention_check.check_merged_attention(torch.device("cpu"))
+        attention_check.check_merged_attention(torch.device("cpu"), mla)
 
 
 @pytest.mark.parametrize("draft_attention", ["gqa", "mla"])
