@@ -1,4 +1,5 @@
-"""The EAGLE-3 drafter, with module names equal to what SGLang's LlamaForCausalLMEagle3 loads.
+"""The EAGLE-3 drafter, with module names equal to what SGLang's LlamaForCausalLMEagle3 (GQA) or
+Eagle3DeepseekV2ForCausalLM (MLA) loads.
 
 Shapes: B batch, T tokens, H draft hidden (= target hidden), Ht target hidden, V target vocab,
 Vd draft vocab, nh/nkv heads, d head dim.
