@@ -23,6 +23,7 @@ from core.config import RunConfig
 from core.errors import UserError
 from train.checkpoint import LATEST, save_checkpoint
 from train.data import length_grouped_batches, slot_batches
+from train.deepspeed_config import step_autocast
 from train.packing import pack
 from train.position import Slot, batch_generator, batches_done, lr_factor, rank_slots, steps_left
 from train.tau_probe import TauProbe
@@ -81,7 +82,8 @@ def batch_loss(f: Fit, batch: dict, epoch: int, index: int, step: int):
     mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
     doc_ids, positions = batch.get("doc_ids"), batch.get("positions")  # packed rows only
     teacher = teacher_targets(batch["final"], mask, draft_head, t2d, batch["argmax"], doc_ids)
-    loss, m = f.objective(batch["aux"], batch["input_ids"], mask, teacher, doc_ids, positions)
+    with step_autocast(f.accelerator):
+        loss, m = f.objective(batch["aux"], batch["input_ids"], mask, teacher, doc_ids, positions)
     stop_if_not_finite(loss, "loss", step + 1, epoch, batch["ids"], f.source)
     return loss, m
 
@@ -102,9 +104,11 @@ def micro_step(f: Fit, batch: dict, slot: Slot, epoch: int, step: int, lr: float
         f.window = m if f.window is None else {k: f.window[k] + v for k, v in m.items()}
         accelerator.backward(loss * slot.weight)
         if accelerator.sync_gradients:
+            # DeepSpeed clips inside its step (gradient_clipping = train.grad_clip, train/deepspeed_config.py) and
+            # returns that step's norm as a float
             norm = accelerator.clip_grad_norm_(f.objective.parameters(), tc.grad_clip)
             if norm is not None:
-                stop_if_not_finite(norm, "gradient norm", step + 1, epoch, batch["ids"], f.source)
+                stop_if_not_finite(torch.as_tensor(norm), "gradient norm", step + 1, epoch, batch["ids"], f.source)
         f.opt.step()
         f.opt.zero_grad(set_to_none=True)
 
@@ -173,8 +177,7 @@ def fit(f: Fit, step: int, start_epoch: int, epoch_samples: int) -> tuple[int, b
             save_checkpoint(accelerator, f.train_dir / "checkpoints", {
                 "step": step, "epoch": epoch + 1, "epoch_samples": 0, "step_batches": f.step_batches})
         if tc.epoch_drafters and epoch + 1 < tc.epochs:  # the last epoch's is drafter/
-            if accelerator.is_main_process:
-                f.export(step, epoch + 1)
+            f.export(step, epoch + 1)  # every rank: ZeRO-3 gathers the weights; the main process writes
             accelerator.wait_for_everyone()
     bar.close()
     return step, stopped

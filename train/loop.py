@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import set_seed
 
 from core import trained_prompts
@@ -33,6 +33,7 @@ from core.manifest import open_stage_dir, write_manifest
 from core.stage_lock import stage_lock, stage_reader
 from core.target import TargetHead, load_target_embeddings, read_target_config, resolve_precision, target_info
 from train.attention_check import check_merged_attention
+from train.deepspeed_config import configure_deepspeed, full_state_dict, register_external_weights
 from train.checkpoint import load_checkpoint, read_latest, trim_logs
 from train.data import ShardSource, aux_rms
 from train.draft_vocab import (
@@ -106,7 +107,10 @@ def make_accelerator(cfg: RunConfig, train_dir: Path) -> Accelerator:
     tc = cfg.train
     if not torch.cuda.is_available():  # DeepSpeed, imported by Accelerate when installed, else warns on every CPU run
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    accelerator = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available(),
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"  # set by accelerate launch
+    if deepspeed and not torch.cuda.is_available():  # DeepSpeed's CPU accelerator over gloo: Accelerate would take
+        PartialState(cpu=False, backend="gloo")      # no backend, and each rank would count itself alone
+    accelerator = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available() and not deepspeed,
                               mixed_precision="bf16" if resolve_precision(tc.mixed_precision) == "bf16" else "no",
                               log_with="wandb" if tc.wandb_mode != "disabled" else None, project_dir=str(train_dir))
     launched = accelerate_launch_processes()
@@ -298,6 +302,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     latest = read_latest(accelerator, ckpt_root)
     step_batches, accum = batches_per_step(accelerator, latest, tc)
     objective, opt = accelerator.prepare(objective, opt)
+    register_external_weights(accelerator.unwrap_model(objective), accelerator)
     step, epoch, epoch_samples = 0, 0, 0
     logs = [train_dir / "metrics.jsonl", train_dir / "samples.jsonl"]
     if latest:
@@ -314,18 +319,25 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     exporter = Exporter(cfg, source, coverage, settings, runtime, records)
 
     def export_at(step: int, epoch: int | None = None) -> None:
-        exporter(accelerator.unwrap_model(objective).drafter, step, epoch)
+        """Every rank calls it (ZeRO-3 gathers the weights from all of them); the main process writes."""
+        state, drafter = full_state_dict(accelerator, objective), accelerator.unwrap_model(objective).drafter
+        if not accelerator.is_main_process:
+            return
+        if state is not None:  # ZeRO-3: this rank's module holds its partition only
+            drafter = Eagle3Drafter(drafter.config)
+            drafter.load_state_dict(state)
+        exporter(drafter, step, epoch)
 
     probe = TauProbe(cfg, source.model if tc.source == "online" and tc.tau_every else None)  # one target copy
     f = Fit(cfg=cfg, accelerator=accelerator, objective=objective, opt=opt, source=source, ds=ds, probe=probe,
             head=head, train_dir=train_dir, step_batches=step_batches, accum=accum, export=export_at)
     step, stopped = fit(f, step, epoch, epoch_samples)
-    accelerator.end_training()
     if stopped:
         log.info("stopped after %d steps of this launch (train.stop_after): rerun to continue from step %d, "
                  "on any number of processes", tc.stop_after, step)
-    elif accelerator.is_main_process:
-        export_at(step)
+    else:
+        export_at(step)  # before end_training: ZeRO-3 gathers the weights over the process group it ends
+    accelerator.end_training()
     return cfg.run_path / "drafter"
 
 
@@ -356,6 +368,5 @@ def batches_per_step(accelerator: Accelerator, latest: dict | None, tc: TrainCon
         log.warning("this run's optimizer steps take %d batches, which %d processes cannot split: a step takes %d "
                     "(grad_accum %d) and the learning-rate schedule continues by samples", step_batches, world,
                     accum * world, accum)
-    if accelerator.state.deepspeed_plugin is not None:  # "auto" needs a prepared loader; ours are per epoch
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.batch_size
+    configure_deepspeed(accelerator, tc, accum, autocast_of(accelerator))
     return step_batches, accum

@@ -1,0 +1,95 @@
+"""DeepSpeed takes the recipe from the run config: one source of truth for what a launch's DeepSpeed JSON also
+names. Each key the JSON leaves "auto" (or leaves out) is filled from the run config; a key it sets to another
+value than the run's is an error naming both, before anything trains. DeepSpeed clips gradients inside its own
+step (`gradient_clipping`), so train.grad_clip reaches it only through this file.
+
+ZeRO-3 partitions every weight across ranks and gathers a module's weights only around that module's own
+forward. The TTT step also reads weights outside their module's call (the token half of the attention input's
+projections, the draft lm_head in the fused head loss), so those are registered as external parameters of the
+objective: gathered for its whole forward. The export gathers the full weights (`full_state_dict`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from accelerate import Accelerator
+
+from core.config import TrainConfig
+from core.errors import UserError
+
+
+def deepspeed_stage(accelerator: Accelerator) -> int | None:
+    """The ZeRO stage of this launch, None without DeepSpeed."""
+    plugin = accelerator.state.deepspeed_plugin
+    return None if plugin is None else int(plugin.zero_stage)
+
+
+def configure_deepspeed(accelerator: Accelerator, tc: TrainConfig, accum: int, precision: str) -> None:
+    """Fill the launch's DeepSpeed config from the run's (before `accelerator.prepare`), or refuse a conflict.
+    accum: this launch's micro-batches per optimizer step per rank; precision: "bf16" or "fp32"."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    ds = plugin.deepspeed_config
+    where = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the DeepSpeed config"
+    world = accelerator.num_processes
+    ours = {"gradient_clipping": (tc.grad_clip, "train.grad_clip"),
+            "gradient_accumulation_steps": (accum, f"micro-batches per step per process (train.grad_accum x the "
+                                                   f"run's first world size / {world} processes)"),
+            "train_micro_batch_size_per_gpu": (tc.batch_size, "train.batch_size"),
+            "train_batch_size": (tc.batch_size * accum * world, f"train.batch_size x {accum} x {world} processes")}
+    for key, (value, name) in ours.items():
+        have = ds.get(key, "auto")
+        if have == "auto":
+            ds[key] = value
+        elif float(have) != float(value):
+            raise UserError(f"{where}: {key} = {have}, but the run's {name} = {value}: set it to \"auto\" (the run "
+                            "config is the recipe) or to the same value")
+    if int(plugin.zero_stage) == 3:
+        if tc.tau_every:
+            raise UserError("train.tau_every under ZeRO-3: the τ probe decodes with the main process's drafter, which "
+                            "holds a partition of the weights there; set train.tau_every=0 (eval measures τ after)")
+        ds.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True  # the export
+    for key, want in (("bf16", precision == "bf16"), ("fp16", False)):
+        section = ds.setdefault(key, {})
+        have = section.get("enabled", "auto")
+        if have == "auto":
+            section["enabled"] = want
+        elif bool(have) != want:
+            raise UserError(f"{where}: {key}.enabled = {have}, but the run trains in {precision} "
+                            f"(train.mixed_precision = {tc.mixed_precision}): set it to \"auto\" or match it")
+
+
+def register_external_weights(objective: torch.nn.Module, accelerator: Accelerator) -> None:
+    """ZeRO-3: every drafter weight the TTT step reads outside its own module's forward, gathered for the whole
+    objective forward (`deepspeed.zero.register_external_parameter`); no-op under other stages."""
+    if deepspeed_stage(accelerator) != 3:
+        return
+    import deepspeed
+
+    drafter = objective.drafter
+    for proj in (*drafter.midlayer.self_attn.in_projs(), drafter.lm_head):
+        deepspeed.zero.register_external_parameter(objective, proj.weight)
+
+
+def step_autocast(accelerator: Accelerator):
+    """The context the TTT forward runs in. Accelerate wraps a DDP or single-process model's forward in bf16
+    autocast itself, not a DeepSpeed one: DeepSpeed's bf16 mode holds bf16 weights (fp32 masters in its
+    optimizer) and leaves the fp32 aux rows to the caller, so under DeepSpeed the step runs in autocast here."""
+    if deepspeed_stage(accelerator) is None or accelerator.mixed_precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(accelerator.device.type, torch.bfloat16)
+
+
+def full_state_dict(accelerator: Accelerator, objective: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The drafter's full weights and buffers, gathered from every rank under ZeRO-3 (every rank must call it; the
+    main process gets them, the others None); None for other launches (the module holds them whole)."""
+    if deepspeed_stage(accelerator) != 3:
+        return None
+    state = accelerator.get_state_dict(objective)
+    if not accelerator.is_main_process:
+        return None
+    return {k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")}
