@@ -33,9 +33,9 @@ from core.manifest import open_stage_dir, write_manifest
 from core.stage_lock import stage_lock, stage_reader
 from core.target import TargetHead, load_target_embeddings, read_target_config, resolve_precision, target_info
 from train.attention_check import check_merged_attention
-from train.deepspeed_config import configure_deepspeed, full_state_dict, register_external_weights
 from train.checkpoint import load_checkpoint, read_latest, trim_logs
 from train.data import ShardSource, aux_rms
+from train.deepspeed_config import configure_deepspeed, full_state_dict, register_external_weights
 from train.draft_vocab import (
     COUNTS_FILE,
     build_draft_vocab,
