@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The slowest files (worker-seconds on 2 cores, most first): `make test` hands whole files to its two workers in
 # collection order (--dist loadfile --no-loadscope-reorder), so the files that start last are short ones and the
 # workers finish together. The first two do not wait on each other: only the second builds overfit_tiny.
-SLOW_FIRST = ("test_llamacpp_export.py", "test_llamacpp_serving.py", "test_resume.py", "test_data_gen_openai.py",
+SLOW_FIRST = ("test_llamacpp_export.py", "test_llamacpp_serving.py", "test_deepspeed.py", "test_resume.py", "test_data_gen_openai.py",
               "test_run_integrity.py", "test_speculative_modes.py", "test_draft_alignment.py", "test_pipeline.py",
               "test_decode.py", "test_extract_sglang.py", "test_data_gen_llamacpp.py", "test_tokenizer_parity.py",
               "test_gguf_checkpoint.py")

@@ -332,6 +332,8 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     f = Fit(cfg=cfg, accelerator=accelerator, objective=objective, opt=opt, source=source, ds=ds, probe=probe,
             head=head, train_dir=train_dir, step_batches=step_batches, accum=accum, export=export_at)
     step, stopped = fit(f, step, epoch, epoch_samples)
+    if accelerator.device.type == "cuda":
+        log.info("peak GPU memory of this process: %.2f GiB", torch.cuda.max_memory_allocated(accelerator.device) / 2**30)
     if stopped:
         log.info("stopped after %d steps of this launch (train.stop_after): rerun to continue from step %d, "
                  "on any number of processes", tc.stop_after, step)

@@ -1,0 +1,181 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 for real, on CPU: DeepSpeed's CPU accelerator over gloo, launched by `accelerate
+launch --config_file` with the shipped scripts/accelerate/deepspeed_zero{2,3}.yaml and their JSON (only the
+process count, use_cpu and the JSON's path rewritten), on the tiny random target's shards.
+
+- one process, fp32: ZeRO-2 and ZeRO-3 train to the plain run's weights (the same step math: DeepSpeed clips at
+  train.grad_clip, steps the same AdamW, and ZeRO-3's export gathers the full weights);
+- two processes: a ZeRO-2 / ZeRO-3 run stopped at a checkpoint (train.stop_after) and rerun ends at the weights of
+  the uninterrupted run, and kill -9 after a checkpoint then a rerun does too (ZeRO-3);
+- a DeepSpeed JSON whose value conflicts with the run config's is one error line naming both.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from core.config import TrainConfig
+from core.errors import UserError
+from core.stage_lock import LOCK_FILE
+from tests.conftest import ROOT, run_stage
+from train.deepspeed_config import configure_deepspeed
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU launch path (GPU: docs/PERFORMANCE.md)")
+TRAIN = ["train.mixed_precision=fp32", "train.wandb_mode=disabled", "threads=1"]
+
+
+@pytest.fixture
+def new_run(overfit_tiny, tmp_path):
+    """-> new_run(name): a run dir holding a copy of the tiny run's conversations and hidden shards."""
+    import shutil
+
+    def make(name: str) -> Path:
+        for stage_dir in ("conversations", "hidden"):
+            shutil.copytree(overfit_tiny[1] / stage_dir, tmp_path / name / stage_dir,
+                            ignore=shutil.ignore_patterns(LOCK_FILE))
+        return tmp_path / name
+    return make
+
+
+def launch_config(tmp_path: Path, stage: int, processes: int, json_edit: dict | None = None) -> Path:
+    """The shipped accelerate config of ZeRO `stage` for this machine: `processes` CPU processes; json_edit: keys
+    of the shipped DeepSpeed JSON replaced."""
+    shipped = yaml.safe_load((ROOT / f"scripts/accelerate/deepspeed_zero{stage}.yaml").read_text())
+    ds_json = json.loads((ROOT / shipped["deepspeed_config"]["deepspeed_config_file"]).read_text())
+    path = tmp_path / f"zero{stage}-{processes}.json"
+    path.write_text(json.dumps({**ds_json, **(json_edit or {})}))
+    shipped.update(num_processes=processes, use_cpu=True, main_process_port=free_port())
+    shipped["deepspeed_config"]["deepspeed_config_file"] = str(path)
+    out = tmp_path / f"zero{stage}-{processes}.yaml"
+    out.write_text(yaml.safe_dump(shipped))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(config: Path, run_dir: Path, *extra: str, check: bool = True, background: bool = False):
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config), "-m", "train",
+           "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(run_dir), *TRAIN, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if background:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert not check or proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "drafter/model.safetensors"))
+
+
+def assert_same_weights(got: dict, want: dict, atol: float) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert tensor.numel() and got[name].shape == tensor.shape, name  # a ZeRO-3 partition would be empty
+        assert torch.allclose(got[name].float(), tensor.float(), rtol=0, atol=atol), name
+
+
+def test_zero2_and_zero3_train_the_plain_runs_weights(new_run, tmp_path):
+    """One process in fp32: DeepSpeed's step is the plain step (clip at train.grad_clip, AdamW, the lr schedule),
+    so both stages export the plain run's drafter; ZeRO-3's export is gathered, not the rank's partition."""
+    plain = new_run("plain")
+    run_stage("train", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(plain), *TRAIN)
+    for stage in (2, 3):
+        run = new_run(f"zero{stage}")
+        log = launch(launch_config(tmp_path, stage, 1), run).stderr
+        assert "(DistributedType.DEEPSPEED)" in log
+        runtime = json.loads((run / "train/manifest.json").read_text())["runtime"]
+        assert runtime["distributed"].endswith("DEEPSPEED")
+        assert_same_weights(weights(run), weights(plain), atol=1e-6)
+    # and the clip reaches DeepSpeed: with train.grad_clip far lower, the weights move less and part from plain
+    run = new_run("clip")
+    launch(launch_config(tmp_path, 2, 1), run, "train.grad_clip=0.01")
+    assert max((weights(run)[k].float() - weights(plain)[k].float()).abs().max() for k in weights(plain)) > 1e-3
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_processes_stopped_and_rerun_end_where_the_uninterrupted_run_ends(new_run, tmp_path, stage):
+    """ZeRO shards the optimizer state (and under ZeRO-3 the weights) over the two ranks: a checkpoint holds each
+    rank's shard in DeepSpeed's layout, and the rerun on two processes continues to the same weights."""
+    config = launch_config(tmp_path, stage, 2)
+    ref, run = new_run("ref"), new_run("run")
+    log = launch(config, ref).stderr
+    assert "world size 2 (DistributedType.DEEPSPEED)" in log
+    launch(config, run, "train.stop_after=2")
+    assert not (run / "drafter").exists()
+    latest = json.loads((run / "train/checkpoints/latest.json").read_text())
+    assert (latest["step"], latest["world_size"]) == (2, 2)
+    refused = launch(launch_config(tmp_path, stage, 1), run, check=False)  # one rank can't read two ranks' shards
+    assert refused.returncode != 0 and "whose ZeRO optimizer state is sharded by rank" in error_line(refused)
+    assert "resumed from step-0000002" in launch(config, run).stderr
+    assert_same_weights(weights(run), weights(ref), atol=1e-6)
+
+
+def test_kill_9_under_zero3_then_rerun_ends_at_the_uninterrupted_weights(new_run, tmp_path):
+    config = launch_config(tmp_path, 3, 2)
+    ref, run = new_run("ref"), new_run("run")
+    launch(config, ref, "train.save_every=1")
+    proc = launch(config, run, "train.save_every=1", background=True)
+    latest, deadline = run / "train/checkpoints/latest.json", time.time() + 300
+    while not (latest.exists() and json.loads(latest.read_text())["step"] >= 2):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
+    proc.wait()
+    assert not (run / "drafter").exists()
+    assert "resumed from step-" in launch(config, run, "train.save_every=1").stderr
+    assert_same_weights(weights(run), weights(ref), atol=1e-6)
+
+
+def stand_in(ds_config: dict, stage: int = 2, processes: int = 2):
+    plugin = types.SimpleNamespace(deepspeed_config=ds_config, zero_stage=stage)
+    return types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=plugin), num_processes=processes)
+
+
+def test_the_run_config_fills_deepspeeds_auto_values():
+    ds = {"zero_optimization": {"stage": 3}, "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}
+    configure_deepspeed(stand_in(ds, stage=3), TrainConfig(grad_clip=0.7, batch_size=3), accum=2, precision="bf16")
+    assert (ds["gradient_clipping"], ds["gradient_accumulation_steps"], ds["train_micro_batch_size_per_gpu"],
+            ds["train_batch_size"]) == (0.7, 2, 3, 12)
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+@pytest.mark.parametrize("key, value, error", [
+    ("gradient_clipping", 1.0, "gradient_clipping = 1.0, but the run's train.grad_clip = 0.5"),
+    ("train_micro_batch_size_per_gpu", 8, "train_micro_batch_size_per_gpu = 8, but the run's train.batch_size = 4"),
+    ("bf16", {"enabled": True}, "bf16.enabled = True, but the run trains in fp32"),
+    ("fp16", {"enabled": True}, "fp16.enabled = True, but the run trains in fp32"),
+])
+def test_a_deepspeed_value_that_conflicts_with_the_run_config_is_refused(key, value, error):
+    with pytest.raises(UserError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        configure_deepspeed(stand_in({key: value}), TrainConfig(batch_size=4), accum=1, precision="fp32")
+
+
+def test_a_conflicting_deepspeed_json_stops_the_launch_in_one_line(new_run, tmp_path):
+    run = new_run("run")
+    proc = launch(launch_config(tmp_path, 2, 1, {"gradient_clipping": 1.0}), run, check=False)
+    assert proc.returncode != 0 and not (run / "drafter").exists()
+    assert "zero2-1.json: gradient_clipping = 1.0, but the run's train.grad_clip = 0.5" in error_line(proc)
+
+
+def error_line(proc) -> str:
+    """The stage's one-line error (the launcher prints its own report of the failed rank after it)."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("train: error: ")]
+    assert lines, proc.stderr[-3000:]
+    return lines[0]
