@@ -1,7 +1,8 @@
 """DeepSpeed takes the recipe from the run config: one source of truth for what a launch's DeepSpeed JSON also
 names. Each key the JSON leaves "auto" (or leaves out) is filled from the run config; a key it sets to another
 value than the run's is an error naming both, before anything trains. DeepSpeed clips gradients inside its own
-step (`gradient_clipping`), so train.grad_clip reaches it only through this file.
+step (`gradient_clipping`), so train.grad_clip reaches it only through this file; bf16 is autocast over fp32
+weights, as in a plain run (`precision_keys`).
 
 ZeRO-3 partitions every weight across ranks and gathers a module's weights only around that module's own
 forward. The TTT step also reads weights outside their module's call (the token half of the attention input's
@@ -12,7 +13,9 @@ objective: gathered for its whole forward. The export gathers the full weights (
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -53,14 +56,25 @@ def configure_deepspeed(accelerator: Accelerator, tc: TrainConfig, accum: int, p
             raise UserError("train.tau_every under ZeRO-3: the τ probe decodes with the main process's drafter, which "
                             "holds a partition of the weights there; set train.tau_every=0 (eval measures τ after)")
         ds.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True  # the export
-    for key, want in (("bf16", precision == "bf16"), ("fp16", False)):
-        section = ds.setdefault(key, {})
-        have = section.get("enabled", "auto")
-        if have == "auto":
-            section["enabled"] = want
-        elif bool(have) != want:
-            raise UserError(f"{where}: {key}.enabled = {have}, but the run trains in {precision} "
-                            f"(train.mixed_precision = {tc.mixed_precision}): set it to \"auto\" or match it")
+    precision_keys(ds, json.loads(Path(where).read_text()) if Path(where).is_file() else {}, where, tc, precision)
+
+
+def precision_keys(ds: dict, written: dict, where: str, tc: TrainConfig, precision: str) -> None:
+    """bf16 trains as in a plain run: fp32 weights (ZeRO's masters are the weights), matmuls under bf16 autocast,
+    which DeepSpeed applies inside its engine (`torch_autocast`; it switches off an autocast opened around it).
+    Its own bf16 / fp16 modes (half-precision weights) are off; `written` (the JSON as the user wrote it, before
+    Accelerate filled its "auto" values) asking for one is an error."""
+    for key in ("bf16", "fp16"):
+        if str((written.get(key) or {}).get("enabled", "auto")).lower() not in ("auto", "false"):
+            raise UserError(f"{where}: {key}.enabled = true: DeepSpeed's {key} mode trains {key} weights, and this "
+                            f"project trains under autocast with fp32 weights (train.mixed_precision = "
+                            f"{tc.mixed_precision}: {precision}); set {key}.enabled to \"auto\"")
+        ds[key] = {**ds.get(key, {}), "enabled": False}
+    autocast = written.get("torch_autocast") or {}
+    if "enabled" in autocast and bool(autocast["enabled"]) != (precision == "bf16"):
+        raise UserError(f"{where}: torch_autocast.enabled = {autocast['enabled']}, but the run trains in {precision} "
+                        f"(train.mixed_precision = {tc.mixed_precision}): leave torch_autocast out")
+    ds["torch_autocast"] = {**autocast, "enabled": precision == "bf16", "dtype": "bfloat16"}
 
 
 def register_external_weights(objective: torch.nn.Module, accelerator: Accelerator) -> None:
@@ -75,15 +89,6 @@ def register_external_weights(objective: torch.nn.Module, accelerator: Accelerat
         deepspeed.zero.register_external_parameter(objective, proj.weight)
 
 
-def step_autocast(accelerator: Accelerator):
-    """The context the TTT forward runs in. Accelerate wraps a DDP or single-process model's forward in bf16
-    autocast itself, not a DeepSpeed one: DeepSpeed's bf16 mode holds bf16 weights (fp32 masters in its
-    optimizer) and leaves the fp32 aux rows to the caller, so under DeepSpeed the step runs in autocast here."""
-    if deepspeed_stage(accelerator) is None or accelerator.mixed_precision != "bf16":
-        return contextlib.nullcontext()
-    return torch.autocast(accelerator.device.type, torch.bfloat16)
-
-
 def full_state_dict(accelerator: Accelerator, objective: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     """The drafter's full weights and buffers, gathered from every rank under ZeRO-3 (every rank must call it; the
     main process gets them, the others None); None for other launches (the module holds them whole)."""
@@ -93,3 +98,19 @@ def full_state_dict(accelerator: Accelerator, objective: torch.nn.Module) -> dic
     if not accelerator.is_main_process:
         return None
     return {k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")}
+
+
+@contextlib.contextmanager
+def whole_modules():
+    """Models built inside are not partitioned. While a launch's DeepSpeed config says ZeRO-3, transformers builds
+    every `from_pretrained` model under ZeRO-3's zero.Init (Accelerate registers the config with it): the frozen
+    target that online training runs outside DeepSpeed's engine would be split over the ranks and fail its first
+    forward. transformers keeps that registration in one module global, cleared here and put back after."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved

@@ -23,7 +23,6 @@ from core.config import RunConfig
 from core.errors import UserError
 from train.checkpoint import LATEST, save_checkpoint
 from train.data import length_grouped_batches, slot_batches
-from train.deepspeed_config import step_autocast
 from train.packing import pack
 from train.position import Slot, batch_generator, batches_done, lr_factor, rank_slots, steps_left
 from train.tau_probe import TauProbe
@@ -82,8 +81,7 @@ def batch_loss(f: Fit, batch: dict, epoch: int, index: int, step: int):
     mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
     doc_ids, positions = batch.get("doc_ids"), batch.get("positions")  # packed rows only
     teacher = teacher_targets(batch["final"], mask, draft_head, t2d, batch["argmax"], doc_ids)
-    with step_autocast(f.accelerator):
-        loss, m = f.objective(batch["aux"], batch["input_ids"], mask, teacher, doc_ids, positions)
+    loss, m = f.objective(batch["aux"], batch["input_ids"], mask, teacher, doc_ids, positions)
     stop_if_not_finite(loss, "loss", step + 1, epoch, batch["ids"], f.source)
     return loss, m
 

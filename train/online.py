@@ -31,6 +31,7 @@ from core.hidden_shards import ids_sha256, teacher_positions
 from core.plan import check_target_fits
 from core.target import TargetHead, load_target, resolve_precision, target_info
 from train.data import AUX_RMS_SAMPLES, collate
+from train.deepspeed_config import whole_modules
 from train.ttt_loss import teacher_argmax
 
 
@@ -80,7 +81,7 @@ class OnlineSource:
     def model(self):
         """The frozen target, loaded at its first capture (after the run's settings were checked). Its loading
         leaves the RNG alone, so the drafter starts from the same weights as in an offline run."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), whole_modules():
             return load_target(self.cfg, self.device)[0]
 
     def settings(self) -> dict:
