@@ -21,7 +21,8 @@ put back (tests/test_kimi_chain.py) and its one-server-at-a-time eval, V1-V10 is
 conversations part checksums, logs of a run killed before its first checkpoint and eval on training prompts, the lossless check, loss decay
 and gradient clipping in the gradient, RoPE's direction, the norms' placement and a full disk
 in safetensors' words, V11-V13 reader locks and the gradient between TTT
-steps, B6-B9 EAGLE-3.1's fc_norm and norm_output, L1-L9 issue 51's MLA draft layer.
+steps, B6-B9 EAGLE-3.1's fc_norm and norm_output, L1-L9 issue 51's MLA draft layer, Z1-Z6 issue 52's
+DeepSpeed runs.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ PACKING = ("tests/test_packing.py",)
 KIMI = ("tests/test_kimi_chain.py",)
 NORM_FC = ("tests/test_drafter.py",)
 MLA = ("tests/test_mla_drafter.py",)
+DS = "tests/test_deepspeed.py"
 TREE = ("tests/test_speculative_modes.py::test_tree_at_t0_writes_the_greedy_output",)
 ONLINE = ("tests/test_train_online.py",)
 STATIC = ("tests/test_generate_static.py",)
@@ -384,6 +386,25 @@ MUTANTS = [
     Mutant("L9", "the merged (cuDNN) TTT attention keeps the kernel's zero-padded output columns of an MLA v",
            "train/ttt_attention.py", "        out0 = out0[..., :values[0].shape[-1]]\n", "",
            ("tests/test_ttt_fast_paths.py::test_merged_attention_checks_itself_against_the_dense_path_and_names_what_is_off",)),
+    Mutant("Z1", "a DeepSpeed launch on a CPU silently trains as plain MULTI_CPU", "train/loop.py",
+           "cpu=not torch.cuda.is_available() and not deepspeed,", "cpu=not torch.cuda.is_available(),",
+           (DS + "::test_zero2_and_zero3_train_the_plain_runs_weights",)),
+    Mutant("Z2", "DeepSpeed's CPU ranks start with no backend: each counts itself alone", "train/loop.py",
+           '        PartialState(cpu=False, backend="gloo")', "        pass",
+           (DS + "::test_two_processes_stopped_and_rerun_end_where_the_uninterrupted_run_ends",)),
+    Mutant("Z3", "train.grad_clip never reaches DeepSpeed's clip", "train/deepspeed_config.py",
+           '    ours = {"gradient_clipping": (tc.grad_clip, "train.grad_clip"),',
+           '    ours = {"gradient_clipping": (1e9, "train.grad_clip"),',
+           (DS + "::test_zero2_and_zero3_train_the_plain_runs_weights",)),
+    Mutant("Z4", "ZeRO-3 leaves the weights read outside their modules partitioned", "train/deepspeed_config.py",
+           "        deepspeed.zero.register_external_parameter(objective, proj.weight)", "        pass",
+           (DS + "::test_zero2_and_zero3_train_the_plain_runs_weights",)),
+    Mutant("Z5", "ZeRO-3 exports the rank's partition instead of the gathered weights", "train/deepspeed_config.py",
+           "    state = accelerator.get_state_dict(objective)\n", "    return None\n",
+           (DS + "::test_zero2_and_zero3_train_the_plain_runs_weights",)),
+    Mutant("Z6", "online training under ZeRO-3 builds the frozen target split over the ranks", "train/deepspeed_config.py",
+           "    hf_deepspeed._hf_deepspeed_config_weak_ref = None\n", "",
+           (DS + "::test_online_training_under_zero3_keeps_the_frozen_target_whole",)),
     Mutant("V13", "each TTT step reads the previous step's hidden state detached (no gradient between steps)",
            "train/ttt_loss.py", "        hidden = drafter.next_input(hidden, normed)",
            "        hidden = drafter.next_input(hidden, normed).detach()",
