@@ -76,17 +76,21 @@ def _positions(values) -> str:
 def _server_section(r: dict) -> str:
     s = r["server"]
     lines = [f"## Served by {s['server_type']}: base server vs the same server with the drafter", "",
-             _row(["requests in flight", "base tok/s", "spec tok/s", "speedup", "τ (engine's counters)",
-                   "latency base → spec (s)", "TTFT base → spec (s)", "outputs equal base"]),
-             "|---|---|---|---|---|---|---|---|"]
+             _row(["requests in flight", "base tok/s", "spec tok/s", "speedup", "τ pooled (engine's counters)",
+                   "τ per request (mean)", "latency base → spec (s)", "TTFT base → spec (s)", "outputs equal base"]),
+             "|---|---|---|---|---|---|---|---|---|"]
     for lv in s["levels"]:
-        b, sp = lv["base"], lv["spec"]
+        b, sp, mean = lv["base"], lv["spec"], lv.get("per_request_acceptance_length")
         lines.append(_row([lv["concurrency"], f"{b['tokens_per_s']:.1f}", f"{sp['tokens_per_s']:.1f}",
                            f"**{lv['speedup']:.2f}x**", f"**{lv['acceptance_length']:.3f}**",
+                           "n/a" if mean is None else f"{mean:.3f}",
                            f"{b['mean_latency_s']:.2f} → {sp['mean_latency_s']:.2f}",
                            f"{b['mean_ttft_s']:.3f} → {sp['mean_ttft_s']:.3f}",
                            f"{lv['outputs_equal']}/{s['num_prompts']}"]))
-    lines += ["", "Tokens/s = output tokens of all prompts / wall time of the level. "
+    lines += ["", "τ pooled = the level's tokens / its target verifications, from the engine's own counters (what "
+              "vLLM's and SGLang's logs print); τ per request = the mean of each request's own τ (what SpecForge's "
+              "benchmark prints; n/a where the engine counts no request on its own, as vLLM). "
+              "Tokens/s = output tokens of all prompts / wall time of the level. "
               f"{s['num_prompts']} prompts x ≤ {s['max_new_tokens']} new tokens, greedy, prompts sent as token ids.",
               "", "![throughput](throughput.png)", ""]
     hf = r.get("hf_engine")

@@ -19,7 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from eval.spec_counters import PROMETHEUS_PREFIX, counter_window, prometheus_spec_counters, sglang_window
+from eval.spec_counters import (
+    PROMETHEUS_PREFIX,
+    counter_window,
+    per_request_tau,
+    prometheus_spec_counters,
+    sglang_window,
+)
 
 log = logging.getLogger("eval")
 SERVER_TYPES = ("llamacpp", "vllm", "sglang")
@@ -126,10 +132,11 @@ def spec_window_counts(url: str, server_type: str, before: dict | None, rows: li
     return counter_window(before, metrics(url, server_type))
 
 
-def paired_level(c: int, base: dict, spec: dict, counted: dict) -> dict:
+def paired_level(c: int, base: dict, spec: dict, counted: dict, server_type: str) -> dict:
     """One concurrency level of the report from both servers' level summaries and the speculative counts."""
     same = sum(b["text"] == s["text"] for b, s in zip(base["rows"], spec["rows"], strict=True))
     level = {"concurrency": c, "base": base, "spec": spec, **counted,
+             "per_request_acceptance_length": per_request_tau(spec["rows"], server_type),
              "speedup": spec["tokens_per_s"] / base["tokens_per_s"], "outputs_equal": same}
     log.info("concurrency %d: base %.1f tok/s, spec %.1f tok/s (%.2fx), τ %.3f, outputs equal %d/%d", c,
              base["tokens_per_s"], spec["tokens_per_s"], level["speedup"], level["acceptance_length"], same,
@@ -147,6 +154,6 @@ def compare_servers(base_url: str, spec_url: str, items: list[tuple[str, list[in
         before = metrics(spec_url, server_type)
         done = taking_turns({"base": base_url, "spec": spec_url}, items, n, c, server_type)
         out.append(paired_level(c, done["base"], done["spec"],
-                                spec_window_counts(spec_url, server_type, before, done["spec"]["rows"])))
+                                spec_window_counts(spec_url, server_type, before, done["spec"]["rows"]), server_type))
     return {"server_type": server_type, "base_url": base_url, "spec_url": spec_url, "levels": out,
             "num_prompts": len(items), "max_new_tokens": n}

@@ -88,8 +88,8 @@ def combine(base: dict, spec: dict, levels: list[int]) -> dict:
     missing = [c for c in levels if str(c) not in base["levels"] or str(c) not in spec["levels"]]
     if missing:
         raise UserError(f"eval passes: concurrency {missing} not in both passes; rerun the pass that lacks it")
-    out = [paired_level(c, base["levels"][str(c)], spec["levels"][str(c)], spec["levels"][str(c)]["counted"])
-           for c in levels]
+    out = [paired_level(c, base["levels"][str(c)], spec["levels"][str(c)], spec["levels"][str(c)]["counted"],
+                        base["server_type"]) for c in levels]
     return {"server_type": base["server_type"], "base_url": base["server"]["url"], "spec_url": spec["server"]["url"],
             "levels": out, "num_prompts": base["num_prompts"], "max_new_tokens": base["max_new_tokens"],
             "one_server_at_a_time": {kind: {"server": rec["server"]} for kind, rec in (("base", base), ("spec", spec))}}

@@ -6,6 +6,11 @@ llama.cpp (`llamacpp:` prefix, with --metrics) and vLLM (`vllm:`) keep Prometheu
 τ = 1 + Δaccepted / Δdrafts and acceptance at position i = Δaccepted_pos[i] / Δdrafts. SGLang counts
 per request instead: its `meta_info` carries `completion_tokens` and `spec_verify_ct` (target
 verifications), and its own τ is completion_tokens / spec_verify_ct; it has no per-position counter.
+
+τ pooled over a window (Σ tokens / Σ verifications: what vLLM's and SGLang's logs print) weighs long answers more than
+τ averaged per request (the mean of each request's own τ: what SpecForge's benchmark prints); `per_request_tau`
+gives the second where the engine counts per request: SGLang's meta_info, llama.cpp's per-response `timings`
+(draft_n_accepted of its predicted_n tokens: each verification emits its accepted drafts plus one token).
 """
 
 from __future__ import annotations
@@ -67,3 +72,21 @@ def sglang_window(meta_infos: list[dict]) -> dict:
         raise UserError("SGLang reported spec_verify_ct == 0 for every request: no speculative step ran")
     return {"acceptance_length": sum(m["completion_tokens"] for m in meta_infos) / verify,
             "per_position_acceptance": None, "verifications": verify, "draft_tokens": None}
+
+
+def per_request_tau(rows: list[dict], server_type: str) -> float | None:
+    """The mean over requests of each one's own τ, from the engine's per-request counts; None for vLLM, whose
+    OpenAI responses carry none (its τ is pooled from /metrics only)."""
+    taus = []
+    for row in rows:
+        if server_type == "sglang":
+            meta = row["meta_info"]
+            taus.append(meta["completion_tokens"] / meta["spec_verify_ct"] if meta.get("spec_verify_ct") else None)
+        elif server_type == "llamacpp":
+            t = row.get("timings") or {}
+            tokens, accepted = t.get("predicted_n"), t.get("draft_n_accepted")
+            taus.append(tokens / (tokens - accepted) if tokens and accepted is not None and tokens > accepted else None)
+        else:
+            return None
+    taus = [x for x in taus if x is not None]
+    return sum(taus) / len(taus) if taus else None

@@ -95,6 +95,8 @@ def test_report_shows_both_engines_per_concurrency_level(served):
     for lv in report["server"]["levels"]:
         assert lv["base"]["tokens_per_s"] > 0 and lv["spec"]["tokens_per_s"] > 0
         assert len(lv["per_position_acceptance"]) == 3 and lv["verifications"] > 0
+        # llama-server's per-response timings: each request's own τ, averaged, beside the pooled counters' τ
+        assert lv["per_request_acceptance_length"] == pytest.approx(lv["acceptance_length"], rel=0.15)
     md = (run_dir / "eval/report.md").read_text()
     assert "Served by llamacpp" in md and "ours (HF engine)" in md
     for png in ("acceptance.png", "throughput.png"):

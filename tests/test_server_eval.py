@@ -9,7 +9,7 @@ import pytest
 
 from core.errors import UserError
 from eval.report import write_report
-from eval.spec_counters import counter_window, prometheus_spec_counters, sglang_window
+from eval.spec_counters import counter_window, per_request_tau, prometheus_spec_counters, sglang_window
 from tests.conftest import ROOT, run_stage
 from tests.fake_spec_server import FakeSpecServer, rounds
 
@@ -43,12 +43,15 @@ def test_eval_server_reports_the_engines_own_counts(engine, tmp_path):
         if engine == "vllm":  # counted from Prometheus deltas over this level only, both DP engines summed
             assert lv["acceptance_length"] == pytest.approx(tau)
             assert lv["per_position_acceptance"] == pytest.approx(per_pos)
+            assert lv["per_request_acceptance_length"] is None  # vLLM counts no request on its own
         else:  # SGLang's own rule: completion_tokens / spec_verify_ct, the prefill token included
             assert lv["acceptance_length"] == pytest.approx(N / len(rounds(N, K)))
             assert lv["per_position_acceptance"] is None
+            assert lv["per_request_acceptance_length"] == pytest.approx(N / len(rounds(N, K)))  # equal answers
         assert lv["outputs_equal"] == 3 and lv["base"]["output_tokens"] == 3 * N
         assert all(row["ttft_s"] <= row["latency_s"] for row in lv["spec"]["rows"])
     assert "Served by " + engine in (out / "report.md").read_text()
+    assert "τ pooled (engine's counters) | τ per request (mean)" in (out / "report.md").read_text()
     assert (out / "throughput.png").stat().st_size > 10_000
     # a server whose outputs differed: the report says so from its levels (no HF per-prompt fields here)
     r.pop("per_prompt")
@@ -127,3 +130,17 @@ def test_passes_of_two_different_targets_are_not_combined(tmp_path):
     assert not (tmp_path / "eval/report.json").exists()
     proc = run_stage("eval", *flags, "--pass", "spec", check=False)  # a pass needs its server's URL
     assert proc.returncode == 1 and "give --spec URL" in proc.stderr.splitlines()[-1]
+
+
+def test_tau_per_request_is_the_mean_of_each_requests_own_tau_not_the_pooled_one():
+    """Two answers of unequal length: pooled τ (Σ tokens / Σ verifications) weighs the long one more; the per-request
+    mean (SpecForge's) does not. SGLang from meta_info, llama.cpp from its per-response timings (each verification
+    emits its accepted drafts plus one token), vLLM none."""
+    sglang = [{"meta_info": {"completion_tokens": 10, "spec_verify_ct": 5}},
+              {"meta_info": {"completion_tokens": 30, "spec_verify_ct": 10}}]
+    assert sglang_window([r["meta_info"] for r in sglang])["acceptance_length"] == pytest.approx(40 / 15)
+    assert per_request_tau(sglang, "sglang") == pytest.approx((2.0 + 3.0) / 2)
+    llamacpp = [{"timings": {"predicted_n": 12, "draft_n": 20, "draft_n_accepted": 6}},
+                {"timings": {"predicted_n": 20, "draft_n": 30, "draft_n_accepted": 15}}]
+    assert per_request_tau(llamacpp, "llamacpp") == pytest.approx((12 / 6 + 20 / 5) / 2)
+    assert per_request_tau(llamacpp, "vllm") is None
