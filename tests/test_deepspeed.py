@@ -53,7 +53,11 @@ def launch_config(tmp_path: Path, stage: int, processes: int, json_edit: dict | 
     shipped = yaml.safe_load((ROOT / f"scripts/accelerate/deepspeed_zero{stage}.yaml").read_text())
     ds_json = json.loads((ROOT / shipped["deepspeed_config"]["deepspeed_config_file"]).read_text())
     path = tmp_path / f"zero{stage}-{processes}.json"
-    path.write_text(json.dumps({**ds_json, **(json_edit or {})}))
+    for key, value in (json_edit or {}).items():  # sections merged one level deep
+        ds_json[key] = {**ds_json[key], **value} if isinstance(value, dict) and key in ds_json else value
+    if stage == 3:  # partition every weight: by default ZeRO-3 keeps weights under 1e5 values (all of the tiny
+        ds_json["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # drafter's) whole on each rank
+    path.write_text(json.dumps(ds_json))
     shipped.update(num_processes=processes, use_cpu=True, main_process_port=free_port())
     shipped["deepspeed_config"]["deepspeed_config_file"] = str(path)
     out = tmp_path / f"zero{stage}-{processes}.yaml"
@@ -92,7 +96,7 @@ def assert_same_weights(got: dict, want: dict, atol: float) -> None:
 
 def test_zero2_and_zero3_train_the_plain_runs_weights(new_run, tmp_path):
     """One process in fp32: DeepSpeed's step is the plain step (clip at train.grad_clip, AdamW, the lr schedule),
-    so both stages export the plain run's drafter; ZeRO-3's export is gathered, not the rank's partition."""
+    so both stages export the plain run's drafter (one rank holds every weight whole: the gathers matter on two)."""
     plain = new_run("plain")
     run_stage("train", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(plain), *TRAIN)
     for stage in (2, 3):
@@ -111,7 +115,9 @@ def test_zero2_and_zero3_train_the_plain_runs_weights(new_run, tmp_path):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_processes_stopped_and_rerun_end_where_the_uninterrupted_run_ends(new_run, tmp_path, stage):
     """ZeRO shards the optimizer state (and under ZeRO-3 the weights) over the two ranks: a checkpoint holds each
-    rank's shard in DeepSpeed's layout, and the rerun on two processes continues to the same weights."""
+    rank's shard in DeepSpeed's layout, and the rerun on two processes continues to the same weights. Under ZeRO-3
+    the step gathers the weights it reads outside their modules, and the export the full weights (a rank's
+    partition would be empty)."""
     config = launch_config(tmp_path, stage, 2)
     ref, run = new_run("ref"), new_run("run")
     log = launch(config, ref).stderr
