@@ -148,6 +148,15 @@ def test_kill_9_under_zero3_then_rerun_ends_at_the_uninterrupted_weights(new_run
     assert_same_weights(weights(run), weights(ref), atol=1e-6)
 
 
+def test_zero3_gathers_the_weights_a_compiled_step_reads(new_run, tmp_path):
+    """The K-step unroll as one torch.compile graph (auto on CUDA for wide drafters) reads the projections' weights
+    directly, where DeepSpeed gathers nothing on its own (it does in eager steps): registered on the objective they
+    are gathered for its whole forward. Without that the first step indexes a 1-D partition."""
+    run = new_run("compiled")
+    launch(launch_config(tmp_path, 3, 1), run, "train.kernels.compile=unroll", "train.stop_after=1")
+    assert json.loads((run / "train/checkpoints/latest.json").read_text())["step"] == 1
+
+
 def stand_in(ds_config: dict, stage: int = 2, processes: int = 2):
     plugin = types.SimpleNamespace(deepspeed_config=ds_config, zero_stage=stage)
     return types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=plugin), num_processes=processes)

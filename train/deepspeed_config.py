@@ -4,10 +4,12 @@ value than the run's is an error naming both, before anything trains. DeepSpeed 
 step (`gradient_clipping`), so train.grad_clip reaches it only through this file; bf16 is autocast over fp32
 weights, as in a plain run (`precision_keys`).
 
-ZeRO-3 partitions every weight across ranks and gathers a module's weights only around that module's own
-forward. The TTT step also reads weights outside their module's call (the token half of the attention input's
-projections, the draft lm_head in the fused head loss), so those are registered as external parameters of the
-objective: gathered for its whole forward. The export gathers the full weights (`full_state_dict`).
+ZeRO-3 partitions every weight across ranks and gathers a module's weights around that module's own forward. The
+TTT step also reads weights outside their module's call (the token half of the attention input's projections, the
+draft lm_head in the fused head loss). DeepSpeed 0.19.8 gathers such a weight by itself when an eager step reads
+it, but not inside a torch.compile graph (the unroll CUDA runs for wide drafters), so they are registered as
+external parameters of the objective: gathered for its whole forward. The export gathers the full weights
+(`full_state_dict`).
 """
 
 from __future__ import annotations
