@@ -42,10 +42,6 @@ class MLAShape:
             raise UserError(f"train.mla.qk_rope_head_dim = {shape.qk_rope_head_dim}: RoPE rotates pairs, it must be even")
         return shape
 
-    def kv_bytes(self) -> int:
-        """The bf16 draft KV cache per token: one latent plus the shared RoPE key, as SGLang's MLA pool keeps it."""
-        return 2 * (self.kv_lora_rank + self.qk_rope_head_dim)
-
 
 class DraftVariant(NamedTuple):
     """Which drafter train builds beyond the target's shape: EAGLE-3.1's three norms and the draft attention
@@ -87,8 +83,6 @@ class DrafterConfig:
     mla: MLAShape | None = None  # an MLA draft layer (Eagle3DeepseekV2ForCausalLM), else Llama GQA
 
     def __post_init__(self):
-        if isinstance(self.mla, dict):  # read back from asdict()
-            self.mla = MLAShape(**self.mla)
         if self.mla is not None and self.norm_before_fc:
             raise UserError("norm_before_fc with an MLA draft layer: SGLang 0.5.23's Eagle3DeepseekV2ForCausalLM has "
                             "no input_norm (it reads fc_norm and norm_output): use train.fc_norm, or draft_attention gqa")
@@ -103,12 +97,6 @@ class DrafterConfig:
         """The head dim a fused attention kernel runs at: q/k and v widened to the wider of the two (MLA's v heads
         are narrower; train/ttt_attention.py pads them with zeros)."""
         return max(self.qk_head_dim, self.mla.v_head_dim) if self.mla else self.head_dim
-
-    def draft_kv_bytes(self) -> tuple[int, str]:
-        """The drafter's bf16 KV cache per token in a server and how it is made."""
-        if self.mla:
-            return self.mla.kv_bytes(), f"MLA: {self.mla.kv_lora_rank} + {self.mla.qk_rope_head_dim}"
-        return 2 * 2 * self.num_key_value_heads * self.head_dim, f"GQA: 2 x {self.num_key_value_heads} x {self.head_dim}"
 
     @classmethod
     def for_target(cls, tc: dict, aux_layers: list[int], draft_vocab_size: int,

@@ -13,7 +13,7 @@ run dir; an embedded alias (smollm2, tiny) has its model cache built on first us
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from core.aux_layers import resolve_aux_layers, sglang_layer_ids
 from core.config import RunConfig, TrainConfig, TrainKernels
@@ -130,8 +130,8 @@ def kv_bytes_per_token(tc: dict) -> tuple[int, str]:
     kv_lora_rank + qk_rope_head_dim per layer, GQA 2 x kv heads x head dim per layer."""
     layers = tc["num_hidden_layers"]
     if tc.get("kv_lora_rank"):
-        width = tc["kv_lora_rank"] + tc["qk_rope_head_dim"]
-        return 2 * width * layers, f"MLA: ({tc['kv_lora_rank']} + {tc['qk_rope_head_dim']}) x {layers} layers"
+        return (mla_kv_bytes(tc["kv_lora_rank"], tc["qk_rope_head_dim"], layers),
+                f"MLA: ({tc['kv_lora_rank']} + {tc['qk_rope_head_dim']}) x {layers} layers")
     heads = tc.get("num_key_value_heads") or tc["num_attention_heads"]
     head_dim = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
     return gqa_kv_bytes(heads, head_dim, layers), f"GQA: 2 x {heads} x {head_dim} x {layers} layers"
@@ -140,6 +140,11 @@ def kv_bytes_per_token(tc: dict) -> tuple[int, str]:
 def gqa_kv_bytes(heads: int, head_dim: int, layers: int) -> int:
     """bf16 K and V of `heads` x `head_dim` per layer, per token."""
     return 2 * 2 * heads * head_dim * layers
+
+
+def mla_kv_bytes(kv_lora_rank: int, rope_dim: int, layers: int) -> int:
+    """bf16 MLA cache per token: one latent plus the RoPE key all heads share, per layer."""
+    return 2 * (kv_lora_rank + rope_dim) * layers
 
 
 def train_memory(dc: DrafterConfig, trainable: int, batch: int, max_len: int, steps: int, bf16: bool,
@@ -296,11 +301,11 @@ def _kv_line(tc: dict, dc: DrafterConfig, t: TrainConfig) -> str:
     """What serving the drafter costs a server in KV cache beside the target's own (bf16, per token), for each
     draft attention train.draft_attention offers, the run's marked."""
     target, how = kv_bytes_per_token(tc)
-    gqa = replace(dc, mla=None)
-    mla = replace(dc, mla=dc.mla or MLAShape.for_target(tc, asdict(t.mla)), norm_before_fc=False)
+    heads, d, m = dc.num_key_value_heads, dc.head_dim, dc.mla or MLAShape.for_target(tc, asdict(t.mla))
     cells = []
-    for name, d in (("gqa", gqa), ("mla", mla)):
-        draft, shape = d.draft_kv_bytes()
+    for name, draft, shape in (("gqa", gqa_kv_bytes(heads, d, 1), f"GQA: 2 x {heads} x {d}"),
+                               ("mla", mla_kv_bytes(m.kv_lora_rank, m.qk_rope_head_dim, 1),
+                                f"MLA: {m.kv_lora_rank} + {m.qk_rope_head_dim}")):
         mark = " <- this run" if name == t.draft_attention else ""
         cells.append(f"{name} {draft / 1024:,.1f} KiB ({shape}, +{100 * draft / target:.0f}%){mark}")
     return (f"draft KV cache per token in bf16 (one layer; +% of the target's while drafting): {', '.join(cells)}; "

@@ -53,7 +53,7 @@ def configure_deepspeed(accelerator: Accelerator, tc: TrainConfig, accum: int, p
         elif float(have) != float(value):
             raise UserError(f"{where}: {key} = {have}, but the run's {name} = {value}: set it to \"auto\" (the run "
                             "config is the recipe) or to the same value")
-    if int(plugin.zero_stage) == 3:
+    if deepspeed_stage(accelerator) == 3:
         if tc.tau_every:
             raise UserError("train.tau_every under ZeRO-3: the τ probe decodes with the main process's drafter, which "
                             "holds a partition of the weights there; set train.tau_every=0 (eval measures τ after)")

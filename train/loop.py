@@ -301,6 +301,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     ckpt_root = train_dir / "checkpoints"
     latest = read_latest(accelerator, ckpt_root)
     step_batches, accum = batches_per_step(accelerator, latest, tc)
+    configure_deepspeed(accelerator, tc, accum, autocast_of(accelerator))  # before prepare builds the engine
     objective, opt = accelerator.prepare(objective, opt)
     register_external_weights(accelerator.unwrap_model(objective), accelerator)
     step, epoch, epoch_samples = 0, 0, 0
@@ -370,5 +371,4 @@ def batches_per_step(accelerator: Accelerator, latest: dict | None, tc: TrainCon
         log.warning("this run's optimizer steps take %d batches, which %d processes cannot split: a step takes %d "
                     "(grad_accum %d) and the learning-rate schedule continues by samples", step_batches, world,
                     accum * world, accum)
-    configure_deepspeed(accelerator, tc, accum, autocast_of(accelerator))
     return step_batches, accum
