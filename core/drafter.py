@@ -287,6 +287,8 @@ class Eagle3Drafter(nn.Module):
             if w.is_floating_point() and not torch.isfinite(w).all():
                 raise UserError(f"refusing to export {out_dir}: {name} has {int((~torch.isfinite(w)).sum())} "
                                 "non-finite values (training diverged: lower train.lr or check the data)")
+            if w.numel() == 0:  # e.g. a ZeRO-3 rank's partition where the gathered weights belong
+                raise UserError(f"refusing to export {out_dir}: {name} is empty, not the drafter's weights")
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(out_dir / "model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
         atomic_write_json(out_dir / "config.json", self.config.to_sglang())

@@ -90,6 +90,12 @@ def test_export_refuses_non_finite_weights(tmp_path):
     with pytest.raises(UserError, match="fc.weight has 1 non-finite"):
         drafter.save_pretrained(tmp_path / "drafter")
     assert not (tmp_path / "drafter").exists()
+    # a ZeRO-3 rank's own module holds an empty partition of each weight: never exported as the drafter
+    drafter = Eagle3Drafter(c)
+    drafter.midlayer.mlp.down_proj.weight = torch.nn.Parameter(torch.empty(0))
+    with pytest.raises(UserError, match="midlayer.mlp.down_proj.weight is empty"):
+        drafter.save_pretrained(tmp_path / "drafter")
+    assert not (tmp_path / "drafter").exists()
 
 
 # 2, 3. provenance -------------------------------------------------------------------------------
