@@ -8,6 +8,7 @@ Every field carries a `help` string; `describe()` turns them into the text `--he
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -37,9 +38,18 @@ class TargetConfig:
     dtype: str = _f("fp32", "fp32 | bf16 | fp16: the weights' dtype (fp32 on a CPU without native bf16, where bf16 "
                             "matmul is emulated and slow)", choices=PRECISIONS)
     device: str = _f("auto", "auto | cpu | cuda | cuda:N")
+    hub_id: str = _f("", "the target's Hugging Face Hub repo id (moonshotai/Kimi-K2.5): the speculators-format "
+                         "drafter (drafter-speculators/) names it as its verifier, so `vllm serve <that dir>` alone "
+                         "serves target and drafter; empty = vLLM needs the target passed (--model)")
     trust_remote_code: bool = _f(False, "run the Python code a model dir ships (its auto_map: Kimi-K2.5's tokenizer) "
                                         "in every tokenizer, config and model load, and pass --trust-remote-code "
                                         "to the SGLang server; off: such a dir is refused with this key named")
+
+    def __post_init__(self):
+        # vLLM 0.33 takes a speculators drafter's verifier only as a Hub id, never a path that exists here
+        if self.hub_id and (not re.fullmatch(r"[\w.-]+/[\w.-]+", self.hub_id) or Path(self.hub_id).exists()):
+            raise UserError(f"target.hub_id = {self.hub_id!r}: expected a Hugging Face Hub repo id <org>/<name> "
+                            "(not a local path), or empty")
 
 
 @dataclass

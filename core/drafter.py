@@ -38,6 +38,8 @@ builds it: its down-projections read the [2H] x, keys are [k_nope, k_rope] with 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -48,7 +50,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from core.atomic_io import atomic_write, atomic_write_json
-from core.drafter_config import DrafterConfig
+from core.drafter_config import DrafterConfig, Verifier
 from core.errors import UserError
 
 # SGLang and eval take the embedding from the target; aux_scale is folded into fc.weight.
@@ -294,16 +296,26 @@ class Eagle3Drafter(nn.Module):
         atomic_write_json(out_dir / "config.json", self.config.to_sglang())
         atomic_write_json(out_dir / "eagle3_drafter.json", asdict(self.config))
 
+    def save_speculators(self, out_dir: Path, verifier: Verifier, speculative_tokens: int, weights: Path) -> None:
+        """The speculators-format dir `vllm serve <out_dir>` reads: its config.json beside the weights file
+        save_pretrained wrote (`weights`: vLLM maps the same tensor names), hard-linked where the disk allows."""
+        config = self.config.to_speculators(verifier, speculative_tokens)
+        atomic_write(Path(out_dir) / "model.safetensors", lambda tmp: _link_or_copy(Path(weights), tmp))
+        atomic_write_json(Path(out_dir) / "config.json", config)
+
     @classmethod
     def from_pretrained(cls, in_dir: Path, embed_weight: torch.Tensor, target_model_type: str,
                         target_num_layers: int) -> Eagle3Drafter:
-        """Load any SGLang-format drafter dir (ours or another trainer's); embedding from the target."""
+        """Load a drafter dir of SGLang's or speculators' format (ours or another trainer's); embedding from the
+        target."""
         in_dir = Path(in_dir)
         cfg_path = in_dir / "config.json"
         if not cfg_path.is_file():
             raise UserError(f"{cfg_path} missing: not a drafter dir (run `make train` first)")
         try:
-            c = DrafterConfig.from_sglang(json.loads(cfg_path.read_text()), target_model_type, target_num_layers)
+            raw = json.loads(cfg_path.read_text())
+            c = (DrafterConfig.from_speculators(raw, target_model_type) if "speculators_model_type" in raw
+                 else DrafterConfig.from_sglang(raw, target_model_type, target_num_layers))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{cfg_path}: not valid JSON ({e})") from None
         except (KeyError, TypeError, AttributeError) as e:
@@ -346,3 +358,10 @@ class Eagle3Drafter(nn.Module):
         if missing or unexpected:
             raise UserError(f"{source}: missing {missing}, unexpected {unexpected}")
         return model
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or one without hard links
+        shutil.copyfile(src, dst)

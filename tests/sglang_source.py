@@ -1,28 +1,22 @@
 """Check exports against the REAL SGLang 0.5.23 source, read at test time.
 
 SGLang is not importable on a CPU machine (its package pulls in triton and the CUDA stack), but
-the parts that decide whether a drafter checkpoint loads are plain Python. So we install the
-wheel with `--no-deps --target` into a cache dir, parse the files with `ast`, and execute the
+the parts that decide whether a drafter checkpoint loads are plain Python. So we unpack the
+wheel (no dependencies) into a cache dir (tests/engine_source.py), parse the files with `ast`, and execute the
 bodies that matter (`load_weights`, `set_eagle3_layers_to_capture`) against stand-in objects.
 A hand-written copy of the loader's name mapping would drift silently; this cannot.
 
 An install failure raises RuntimeError: the tests must fail loudly, never skip.
 """
 
-import __future__  # for the postponed-annotations compiler flag
-
 import ast
-import functools
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import types
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
 import torch
+
+from tests.engine_source import SourceTree, cached_package
 
 SGLANG_VERSION = "0.5.23"
 EAGLE3_FILE = "srt/models/llama_eagle3.py"
@@ -31,91 +25,14 @@ LLAMA_FILE = "srt/models/llama.py"
 FROM_TARGET = {"model.embed_tokens.weight"}
 
 
-@functools.lru_cache(maxsize=None)
 def sglang_root() -> Path:
-    """Path of the `sglang` package dir of sglang==0.5.23, pip-installed once into the cache.
-
-    Installs into a temp dir next to the final one and renames it into place, so an interrupted
-    or concurrent install never leaves a half-populated cache behind.
-    """
-    cache = Path(os.environ.get("EAGLE3_CACHE") or Path.home() / ".cache" / "eagle3")
-    target = cache / f"sglang-{SGLANG_VERSION}"
-    marker = f"sglang-{SGLANG_VERSION}.dist-info"
-    if (target / marker).is_dir() and (target / "sglang" / EAGLE3_FILE).is_file():
-        return target / "sglang"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".sglang-install-", dir=target.parent))
-    try:
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile",
-               "--disable-pip-version-check", "--target", str(tmp), f"sglang=={SGLANG_VERSION}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-20:])
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (rc={proc.returncode}):\n{tail}")
-        if not (tmp / marker).is_dir():
-            raise RuntimeError(f"pip succeeded but {marker} is missing in {tmp}")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if target.exists() and not (target / "sglang" / EAGLE3_FILE).is_file():
-            shutil.rmtree(target)  # a broken leftover (not ours to reuse)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "sglang" / EAGLE3_FILE).is_file():  # lost a race to a good copy: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target / "sglang"
+    """Path of the `sglang` package dir of sglang==0.5.23, fetched once into the cache."""
+    return cached_package("sglang", SGLANG_VERSION, f"sglang/{EAGLE3_FILE}") / "sglang"
 
 
-# ----------------------------------------------------------------------------- ast helpers
-@functools.lru_cache(maxsize=None)
-def _parse(rel_path: str) -> ast.Module:
-    path = sglang_root() / rel_path
-    return ast.parse(path.read_text(), filename=str(path))
-
-
-def source_class(rel_path: str, name: str) -> ast.ClassDef:
-    """The top-level class `name` of an SGLang source file (AssertionError if absent)."""
-    for node in _parse(rel_path).body:
-        if isinstance(node, ast.ClassDef) and node.name == name:
-            return node
-    raise AssertionError(f"class {name} not found in sglang/{rel_path} ({SGLANG_VERSION})")
-
-
-def source_method(rel_path: str, cls: str, name: str) -> ast.FunctionDef:
-    for node in source_class(rel_path, cls).body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
-            return node
-    raise AssertionError(f"{cls}.{name} not found in sglang/{rel_path} ({SGLANG_VERSION})")
-
-
-def _self_assigned(cls: ast.ClassDef) -> set[str]:
-    """Dotted attribute paths assigned as `self.<path> = ...` anywhere in the class."""
-    found = set()
-    for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else (
-            [node.target] if isinstance(node, ast.AnnAssign) else [])
-        for tgt in targets:
-            parts = []
-            while isinstance(tgt, ast.Attribute):
-                parts.append(tgt.attr)
-                tgt = tgt.value
-            if isinstance(tgt, ast.Name) and tgt.id == "self" and parts:
-                found.add(".".join(reversed(parts)))
-    return found
-
-
-def _compile_method(rel_path: str, cls: str, name: str, namespace: dict) -> types.FunctionType:
-    """Compile the real method's AST into a plain function whose globals are `namespace`.
-
-    Annotations are postponed (never evaluated), so only names the body uses must exist.
-    """
-    fn = source_method(rel_path, cls, name)
-    module = ast.Module(body=[fn], type_ignores=[])
-    code = compile(module, str(sglang_root() / rel_path), "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
-    exec(code, namespace)
-    return namespace[name]
+SGLANG = SourceTree(sglang_root, f"sglang-{SGLANG_VERSION}")
+source_class, source_method, source_method_text = SGLANG.cls, SGLANG.method, SGLANG.method_text
+_run_assignments, _compile_method = SGLANG.run_assignments, SGLANG.compile_function
 
 
 # ----------------------------------------------------------------------------- parameter names
@@ -141,7 +58,7 @@ def sglang_eagle3_param_names(num_layers: int = 1, norm_before_fc: bool = False,
     required = _REQUIRED_ATTRS + ([(EAGLE3_FILE, "LlamaModel", {"input_norm"})] if norm_before_fc else []) + (
         [(EAGLE3_FILE, "LlamaModel", {"fc_norm"})] if fc_norm else [])
     missing = [f"{cls}.{attr} (sglang/{f})" for f, cls, attrs in required
-               for attr in sorted(attrs - _self_assigned(source_class(f, cls)))]
+               for attr in sorted(attrs - SGLANG.self_assigned(f, cls))]
     if missing:
         raise AssertionError(f"SGLang {SGLANG_VERSION} source lacks `self.<attr> = ...` for: {missing}")
     names = {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight"}
@@ -273,7 +190,7 @@ def sglang_capture_layers(model_file: str, layer_ids: list[int] | None, num_laye
     """
     rel = model_file if "/" in model_file else f"srt/models/{model_file}"
     rel = rel if rel.endswith(".py") else rel + ".py"
-    owners = [n.name for n in _parse(rel).body if isinstance(n, ast.ClassDef) and any(
+    owners = [n.name for n in SGLANG.parse(rel).body if isinstance(n, ast.ClassDef) and any(
         isinstance(f, ast.FunctionDef) and f.name == "set_eagle3_layers_to_capture" for f in n.body)]
     if len(owners) != 1:
         raise AssertionError(f"expected one class defining set_eagle3_layers_to_capture in sglang/{rel}, "
@@ -319,34 +236,7 @@ def method_signature(rel_path: str, cls: str, name: str) -> tuple[list[str], lis
     return [a.arg for a in args.posonlyargs + args.args], [a.arg for a in args.kwonlyargs]
 
 
-def source_method_text(rel_path: str, cls: str | None, name: str) -> str:
-    """Source text of a real method (cls None: a top-level function), to pin a behaviour it has."""
-    if cls is None:
-        fn = next((n for n in _parse(rel_path).body if isinstance(n, ast.FunctionDef) and n.name == name), None)
-        if fn is None:
-            raise AssertionError(f"function {name} not found in sglang/{rel_path} ({SGLANG_VERSION})")
-    else:
-        fn = source_method(rel_path, cls, name)
-    return ast.get_source_segment((sglang_root() / rel_path).read_text(), fn)
-
-
 # ----------------------------------------------------------------------------- parameter shapes
-def _run_assignments(rel_path: str, cls: str, method: str, names: set[str], namespace: dict) -> dict:
-    """Run the top-level statements of a real method that assign any of `names` (e.g. "self.head_dim",
-    "hidden_size"; an if/else that does counts whole) in `namespace` -> namespace."""
-    def assigns(node) -> bool:
-        return any(isinstance(n, (ast.Assign, ast.AnnAssign)) and any(
-            ast.unparse(t) in names for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
-            for n in ast.walk(node))
-
-    picked = [n for n in source_method(rel_path, cls, method).body if assigns(n)]
-    found = {ast.unparse(t) for n in picked for a in ast.walk(n) if isinstance(a, ast.Assign) for t in a.targets}
-    if not names <= found:
-        raise AssertionError(f"{cls}.{method} in sglang/{rel_path} no longer assigns {sorted(names - found)}")
-    exec(compile(ast.Module(body=picked, type_ignores=[]), str(sglang_root() / rel_path), "exec"), namespace)
-    return namespace
-
-
 def sglang_eagle3_shapes(config: dict) -> dict[tuple[str, object], tuple[int, ...]]:
     """{(parameter, shard id or None): the shape its weight loader takes} for LlamaForCausalLMEagle3 built on a
     drafter config.json (tensor parallel 1), with the sizes SGLang computes taken from the real statements:
@@ -478,11 +368,11 @@ def sglang_mla_shapes(config: dict) -> dict[tuple[str, object], tuple[int, ...]]
     Eagle3MLADecoderLayer call that builds it. The MLP's two shards are gate/up of [intermediate, hidden]."""
     c = sglang_mla_config(config)
     missing = [f"{cls}.{attr} (sglang/{f})" for f, cls, attrs in _MLA_REQUIRED_ATTRS
-               for attr in sorted(attrs - _self_assigned(source_class(f, cls)))]
+               for attr in sorted(attrs - SGLANG.self_assigned(f, cls))]
     if missing:
         raise AssertionError(f"SGLang {SGLANG_VERSION} source lacks `self.<attr> = ...` for: {missing}")
     model_ns = {"config": c, "getattr": getattr, "self": types.SimpleNamespace(), "len": len,
-                "_get_eagle_aux_layer_count": _compile_function(MLA_FILE, "_get_eagle_aux_layer_count", {})}
+                "_get_eagle_aux_layer_count": SGLANG.compile_function(MLA_FILE, None, "_get_eagle_aux_layer_count", {})}
     _run_assignments(MLA_FILE, "Eagle3MLAModel", "__init__", {"target_hidden_size", "self.num_aux_hidden_states"},
                      model_ns)
     n_aux, target_hidden = model_ns["self"].num_aux_hidden_states, model_ns["target_hidden_size"]
@@ -515,17 +405,6 @@ def sglang_mla_shapes(config: dict) -> dict[tuple[str, object], tuple[int, ...]]
     if sglang_mla_flags(config)["fc_norm"]:
         shapes.update({(f"model.fc_norm.{i}.weight", None): (target_hidden,) for i in range(n_aux)})
     return shapes
-
-
-def _compile_function(rel_path: str, name: str, namespace: dict) -> types.FunctionType:
-    """A top-level function of a real SGLang file, compiled with globals `namespace`."""
-    fn = next((n for n in _parse(rel_path).body if isinstance(n, ast.FunctionDef) and n.name == name), None)
-    if fn is None:
-        raise AssertionError(f"function {name} not found in sglang/{rel_path} ({SGLANG_VERSION})")
-    code = compile(ast.Module(body=[fn], type_ignores=[]), str(sglang_root() / rel_path), "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
-    exec(code, namespace)
-    return namespace[name]
 
 
 class _RecordingParam(_StandInParam):

@@ -31,7 +31,14 @@ from core.drafter_config import DraftVariant
 from core.errors import UserError
 from core.manifest import open_stage_dir, write_manifest
 from core.stage_lock import stage_lock, stage_reader
-from core.target import TargetHead, load_target_embeddings, read_target_config, resolve_precision, target_info
+from core.target import (
+    TargetHead,
+    load_target_embeddings,
+    read_target_config,
+    resolve_precision,
+    target_info,
+    verifier_of,
+)
 from train.attention_check import check_merged_attention
 from train.checkpoint import load_checkpoint, read_latest, trim_logs
 from train.data import ShardSource, aux_rms
@@ -53,6 +60,7 @@ from train.tau_probe import TauProbe
 from train.ttt_loss import StepOptions, TTTObjective
 
 log = logging.getLogger("train")
+SPECULATORS_DIR = "drafter-speculators"  # <run>/: the drafter in vLLM speculators' format
 
 
 def drafter_config(cfg: RunConfig, aux_layers: list[int], draft_vocab_size: int) -> DrafterConfig:
@@ -207,7 +215,7 @@ def make_optimizer(params: list[torch.Tensor], tc: TrainConfig) -> torch.optim.O
 
 def open_run(cfg: RunConfig, accelerator: Accelerator, source, fresh: bool):
     """Log where this run trains, and (main process) ready train/ and drafter/ for its settings."""
-    train_dir, out = cfg.run_path / "train", cfg.run_path / "drafter"
+    train_dir, outs = cfg.run_path / "train", (cfg.run_path / "drafter", cfg.run_path / SPECULATORS_DIR)
     precision = autocast_of(accelerator)
     settings = training_settings(cfg, source, precision)
     runtime = {"world_size": accelerator.num_processes, "device": str(accelerator.device),
@@ -217,8 +225,9 @@ def open_run(cfg: RunConfig, accelerator: Accelerator, source, fresh: bool):
              precision)
     if accelerator.is_main_process:
         open_stage_dir(train_dir, "train", settings, fresh)
-        if fresh and out.exists():
-            shutil.rmtree(out)
+        for out in outs if fresh else ():
+            if out.exists():
+                shutil.rmtree(out)
         write_manifest(train_dir, "train", cfg, {"target": cfg.target.model}, {"status": "in progress"},
                        source.inputs, settings, {"runtime": runtime})
     return settings, runtime
@@ -228,8 +237,9 @@ def open_run(cfg: RunConfig, accelerator: Accelerator, source, fresh: bool):
 class Exporter:
     """Writes the SGLang-format drafter with its records (the draft tokens' counts for `python -m
     train.prune_vocab`, the trained prompts' digests for eval) and its manifest (its target, which eval checks):
-    at the run's end (epoch None) into drafter/, with curves.png and train/'s manifest; after an epoch
-    (train.epoch_drafters) into train/epochs/epoch-N."""
+    at the run's end (epoch None) into drafter/, with curves.png and train/'s manifest, and the same weights in
+    speculators' format into drafter-speculators/ (`vllm serve` reads it alone) where that format can hold the
+    drafter; after an epoch (train.epoch_drafters) into train/epochs/epoch-N."""
     cfg: RunConfig
     source: object  # ShardSource | OnlineSource: compat and inputs for the manifest
     coverage: float  # the draft vocab's share of the assistant tokens
@@ -242,8 +252,10 @@ class Exporter:
         train_dir = cfg.run_path / "train"
         out = cfg.run_path / "drafter" if epoch is None else train_dir / "epochs" / f"epoch-{epoch}"
         drafter.save_pretrained(out)
-        for name, record in self.records.items():
-            atomic_write_json(out / name, record)
+        outs = [out] if epoch is not None else [out, *self.speculators_copy(drafter, out)]
+        for d in outs:
+            for name, record in self.records.items():
+                atomic_write_json(d / name, record)
         rows = read_jsonl(train_dir / "metrics.jsonl")
         if epoch is None:
             plot_curves(rows, train_dir / "curves.png")
@@ -251,9 +263,26 @@ class Exporter:
         compat = {key: source.compat[key] for key in ("target", "hidden_size", "vocab_size", "aux_layers")}
         counts = {"steps": step, "draft_vocab_coverage": self.coverage, "final_metrics": last,
                   **({} if epoch is None else {"epoch": epoch})}
-        for d in (out,) if epoch is not None else (out, train_dir):
+        for d in outs if epoch is not None else [*outs, train_dir]:
             write_manifest(d, "train", cfg, compat, counts, source.inputs, self.settings, {"runtime": self.runtime})
         log.info("drafter exported to %s (final %s)", out, {k: round(v, 4) for k, v in last.items()})
+
+    def speculators_copy(self, drafter: Eagle3Drafter, sglang_dir: Path) -> list[Path]:
+        """drafter-speculators/ beside the SGLang dir, or none (a warning says why; an older one is removed)."""
+        out = self.cfg.run_path / SPECULATORS_DIR
+        why = drafter.config.speculators_refusal()
+        if why:
+            if out.exists():
+                shutil.rmtree(out)
+            log.warning("no %s/ (vLLM's speculators format) for %s", SPECULATORS_DIR, why)
+            return []
+        verifier = verifier_of(self.cfg)
+        drafter.save_speculators(out, verifier, self.cfg.eval.draft_steps, sglang_dir / "model.safetensors")
+        if verifier.name_or_path is None:
+            log.warning("%s/: no verifier Hub id (set target.hub_id), so `vllm serve %s` alone is refused; "
+                        "`vllm serve <target dir> --speculative-config '{\"model\": \"%s\"}'` serves it",
+                        SPECULATORS_DIR, out, out)
+        return [out]
 
 
 def main(cfg: RunConfig, fresh: bool = False) -> Path:

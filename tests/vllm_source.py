@@ -1,0 +1,380 @@
+"""Check exports against the REAL vLLM 0.33.0 and speculators 0.9.0 source, read at test time.
+
+vLLM cannot run here (it pins torch 2.14 and needs CUDA), but what decides whether it serves our drafter
+as trained is plain Python: its config readers (imported for real from the unpacked wheel: they import
+nothing a CPU machine lacks), the aux-layer lookup of both model runners, the capture loop of its Llama
+target, and the EAGLE-3 draft classes with their `load_weights` (compiled from the source over stand-in
+parallel layers, which copy what vLLM's weight loaders would copy into the slice each shard names).
+Speculators' own pydantic config classes are imported from its unpacked wheel.
+
+The wheels are fetched once into the cache (tests/engine_source.py; vLLM's Python files only).
+"""
+
+import ast
+import importlib
+import itertools
+import re
+import sys
+import types
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from itertools import islice
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.drafter_config import SPECULATORS_VERSION
+from tests.engine_source import SourceTree, cached_package
+
+VLLM_VERSION = "0.33.0"
+EAGLE3_FILE = "model_executor/models/llama_eagle3.py"
+LLAMA_FILE = "model_executor/models/llama.py"
+UTILS_FILE = "model_executor/models/utils.py"
+INTERFACES_FILE = "model_executor/models/interfaces.py"
+REGISTRY_FILE = "model_executor/models/registry.py"
+SPEC_CONFIG_FILE = "config/speculative.py"
+V2_AUX_FILE = "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py"
+V1_RUNNER_FILE = "v1/worker/gpu_model_runner.py"
+
+
+def vllm_root() -> Path:
+    """The dir holding vllm/ (and its dist-info) of vllm==0.33.0."""
+    return cached_package("vllm", VLLM_VERSION, f"vllm/{EAGLE3_FILE}", py_only=True)
+
+
+def speculators_root() -> Path:
+    return cached_package("speculators", SPECULATORS_VERSION, "speculators/models/eagle3/config.py")
+
+
+VLLM = SourceTree(lambda: vllm_root() / "vllm", f"vllm-{VLLM_VERSION}")
+
+
+def _import_from(root: Path, module: str) -> types.ModuleType:
+    """`module` imported from the unpacked wheel at `root` (appended to sys.path: never shadows what is
+    installed; a vllm or speculators package installed here would fail the assertion instead)."""
+    if str(root) not in sys.path:
+        sys.path.append(str(root))
+    mod = importlib.import_module(module)
+    assert Path(mod.__file__).is_relative_to(root), f"{module} came from {mod.__file__}, not {root}"
+    return mod
+
+
+# ----------------------------------------------------------------------------- config paths
+def draft_hf_config(drafter_dir: Path):
+    """The draft model's hf_config vLLM 0.33 builds for `--speculative-config '{"method": "eagle3", "model":
+    drafter_dir}'` (and for `vllm serve drafter_dir` of a speculators dir): the real HF config parser
+    (transformers_utils/config.py; a speculators config.json goes through SpeculatorsConfig), then, for a plain
+    HF config, SpeculativeConfig's EAGLEConfig wrap. get_config's RoPE patching is left out: it imports the
+    engine's runtime, and no check here reads RoPE."""
+    cfg_mod = _import_from(vllm_root(), "vllm.transformers_utils.config")
+    _, hf = cfg_mod.get_config_parser("hf").parse(str(drafter_dir), trust_remote_code=False)
+    eagle = _import_from(vllm_root(), "vllm.transformers_utils.configs.eagle")
+    speculators = _import_from(vllm_root(), "vllm.transformers_utils.configs.speculators")
+    wrap = re.search(r"if isinstance\(\s*self\.draft_model_config\.hf_config,\s*\(EAGLEConfig, SpeculatorsConfig\),"
+                     r"\s*\):\s*pass\s*else:\s*eagle_config = EAGLEConfig\(\s*self\.draft_model_config\.hf_config,"
+                     r"\s*method=self\.method,\s*model_type=\"eagle\",", VLLM.text(SPEC_CONFIG_FILE))
+    assert wrap, f"{VLLM.label}/{SPEC_CONFIG_FILE} no longer wraps a plain draft config in EAGLEConfig: re-read it"
+    if isinstance(hf, (eagle.EAGLEConfig, speculators.SpeculatorsConfig)):
+        return hf
+    return eagle.EAGLEConfig(hf, method="eagle3", model_type="eagle")
+
+
+def serve_alone(drafter_dir: Path) -> tuple[str, dict | None]:
+    """(the target vLLM 0.33 loads, its speculative config) for `vllm serve <drafter_dir>` with no other flag:
+    the real maybe_override_with_speculators."""
+    cfg_mod = _import_from(vllm_root(), "vllm.transformers_utils.config")
+    model, _, spec = cfg_mod.maybe_override_with_speculators(str(drafter_dir), str(drafter_dir), False)
+    return model, spec
+
+
+def registry_entry(architecture: str) -> tuple[str, str]:
+    """(module, class) vLLM's model registry maps a draft architecture to (the _SPECULATIVE_DECODING_MODELS literal)."""
+    for node in VLLM.parse(REGISTRY_FILE).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["_SPECULATIVE_DECODING_MODELS"]:
+            table = ast.literal_eval(node.value)
+            assert architecture in table, f"{architecture} is not a speculative-decoding model of vLLM {VLLM_VERSION}"
+            return table[architecture]
+    raise AssertionError(f"_SPECULATIVE_DECODING_MODELS not found in {VLLM.label}/{REGISTRY_FILE}")
+
+
+def aux_layer_ids(hf_config) -> dict[str, tuple[int, ...] | None]:
+    """The aux layer ids each model runner of vLLM 0.33 reads from a draft config (None: the target's default
+    (2, L//2, L-3) instead): V2 (the default runner) and V1, their real functions."""
+    spec = types.SimpleNamespace(draft_model_config=types.SimpleNamespace(hf_config=hf_config))
+    v2 = VLLM.compile_function(V2_AUX_FILE, None, "get_eagle3_aux_layers_from_config", {})
+    v1 = VLLM.compile_function(V1_RUNNER_FILE, "GPUModelRunner", "_get_eagle3_aux_layers_from_config", {})
+    return {"v2": v2(spec), "v1": v1(types.SimpleNamespace(speculative_config=spec))}
+
+
+def speculators_config_class():
+    """speculators 0.9's Eagle3SpeculatorConfig, imported from its wheel without the package's __init__ (which
+    imports its trainer's dependencies: openai, datasets, ...)."""
+    root = speculators_root()
+    if str(root) not in sys.path:
+        sys.path.append(str(root))  # its version() reads the dist-info
+    for name, sub in (("speculators", ""), ("speculators.models", "/models"),
+                      ("speculators.models.eagle3", "/models/eagle3")):
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [str(root / "speculators") + sub]
+            sys.modules[name] = pkg
+    config = importlib.import_module("speculators.config")
+    sys.modules["speculators"].SpeculatorModelConfig = config.SpeculatorModelConfig
+    eagle3 = importlib.import_module("speculators.models.eagle3.config")
+    assert Path(eagle3.__file__).is_relative_to(root), eagle3.__file__
+    config.reload_schemas()
+    return eagle3.Eagle3SpeculatorConfig
+
+
+# ----------------------------------------------------------------------------- the target's aux capture
+def vllm_llama_capture(hf_model, input_ids: torch.Tensor, layer_ids: Iterable[int]) -> list[torch.Tensor]:
+    """The aux hidden states vLLM 0.33's Llama target returns for `layer_ids`: the real LlamaModel.forward
+    (llama.py) and EagleModelMixin capture (interfaces.py: set, sorted, `hidden + residual`) run over the decoder
+    layers of a transformers Llama (`hf_model`), each wrapped to vLLM's (positions, hidden, residual) call."""
+    inner = hf_model.model
+    positions = torch.arange(input_ids.shape[-1])[None]
+    rope = inner.rotary_emb(inner.embed_tokens(input_ids), positions)
+
+    class Layer(nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, positions, hidden, residual):  # vLLM's [T, H] rows of one sequence
+            stream = hidden if residual is None else hidden + residual
+            out = self.layer(stream[None], position_embeddings=rope, position_ids=positions[None])
+            out = (out[0] if isinstance(out, tuple) else out)[0]
+            return out - stream, stream  # vLLM's split: their sum is the residual stream
+
+    mixin = VLLM.compile_class(INTERFACES_FILE, "EagleModelMixin", {"torch": torch, "ClassVar": object})
+    forward = VLLM.compile_function(LLAMA_FILE, "LlamaModel", "forward", {
+        "get_pp_group": lambda: types.SimpleNamespace(is_first_rank=True, is_last_rank=True), "islice": islice})
+
+    class Target(nn.Module, mixin):
+        def _cache_aux_pp_layout(self):  # one pipeline stage: nothing to lay out
+            pass
+
+        def collect_remote_aux_hidden_states(self, intermediate_tensors):
+            return []
+
+    model = Target()
+    model.layers = nn.ModuleList(Layer(layer) for layer in inner.layers)
+    model.start_layer, model.end_layer = 0, len(inner.layers)
+    model.embed_input_ids = inner.embed_tokens
+    model.norm = lambda hidden, residual: (inner.norm(hidden + residual), None)
+    model._set_aux_hidden_state_layers(tuple(layer_ids))
+    with torch.no_grad():
+        _, aux = forward(model, input_ids[0], positions[0], None)
+    return aux
+
+
+# ----------------------------------------------------------------------------- the draft model's weights
+@dataclass
+class LoadRecord:
+    """What the stand-in weight loaders saw: (parameter, shard, source tensor id) per copy."""
+    copies: list = field(default_factory=list)
+
+    def loader(self, name: str, slices: dict):
+        """A weight_loader for parameter `name`: copies the tensor into the slice of its shard (None: whole),
+        refusing any other shape, as vLLM's loaders do for tensor parallel 1."""
+        def weight_loader(param, loaded, shard_id=None):
+            shard_id = shard_id if shard_id is not None else getattr(loaded, "shard_id", None)
+            rows = slices[shard_id]
+            target = param.data[rows]
+            if tuple(target.shape) != tuple(loaded.shape):
+                raise ValueError(f"{name}[{shard_id}]: checkpoint tensor {tuple(loaded.shape)}, vLLM builds "
+                                 f"{tuple(target.shape)}")
+            target.copy_(loaded)
+            self.copies.append((name, shard_id, loaded.data_ptr()))
+        return weight_loader
+
+
+def _stand_in_layers(record: LoadRecord) -> dict:
+    """vLLM's parallel layers as the draft classes call them (tensor parallel 1): their weights, NaN until a
+    loader fills them, their shard slices, and the forward a norm or projection computes."""
+    def param(module, name, rows, cols, slices):
+        shape = (rows,) if cols is None else (rows, cols)
+        module.weight = nn.Parameter(torch.full(shape, float("nan")), requires_grad=False)
+        module.weight.weight_loader = record.loader(name, slices)
+
+    def sliced(sizes: Mapping) -> dict:
+        ends = list(itertools.accumulate(sizes.values()))
+        return {k: slice(e - s, e) for (k, s), e in zip(sizes.items(), ends, strict=True)}
+
+    class Linear(nn.Module):
+        def __init__(self, input_size, output_size, bias=False, prefix="", return_bias=True, **_):
+            super().__init__()
+            assert not bias, f"{prefix}: a bias (our drafter has none)"
+            self.return_bias = return_bias
+            param(self, prefix + ".weight", output_size, input_size, {None: slice(None)})
+
+        def forward(self, x):
+            y = F.linear(x, self.weight)
+            return (y, None) if self.return_bias else y
+
+    class QKVParallelLinear(Linear):
+        def __init__(self, hidden_size, head_size, total_num_heads, total_num_kv_heads=None, bias=False,
+                     prefix="", **_):
+            nn.Module.__init__(self)
+            assert not bias, f"{prefix}: a bias (our drafter has none)"
+            kv = total_num_kv_heads or total_num_heads
+            sizes = {"q": total_num_heads * head_size, "k": kv * head_size, "v": kv * head_size}
+            self.return_bias = True
+            param(self, prefix + ".weight", sum(sizes.values()), hidden_size, sliced(sizes))
+
+    class MergedColumnParallelLinear(Linear):
+        def __init__(self, input_size, output_sizes, bias=False, prefix="", **_):
+            nn.Module.__init__(self)
+            assert not bias, f"{prefix}: a bias (our drafter has none)"
+            self.return_bias = True
+            param(self, prefix + ".weight", sum(output_sizes), input_size, sliced(dict(enumerate(output_sizes))))
+
+    class RMSNorm(nn.Module):
+        def __init__(self, hidden_size, eps=1e-6, **_):
+            super().__init__()
+            self.eps = eps
+            param(self, f"RMSNorm({hidden_size})", hidden_size, None, {None: slice(None)})
+
+        def forward(self, x, residual=None):  # vLLM's fused add: (norm(x + residual), x + residual)
+            if residual is not None:
+                x = x + residual
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+            return y if residual is None else (y, x)
+
+    class Embedding(nn.Module):
+        def __init__(self, num_embeddings, embedding_dim, prefix="", **_):
+            super().__init__()
+            param(self, prefix + ".weight", num_embeddings, embedding_dim, {None: slice(None)})
+
+        def forward(self, ids):
+            return F.embedding(ids, self.weight)
+
+    return {"QKVParallelLinear": QKVParallelLinear, "MergedColumnParallelLinear": MergedColumnParallelLinear,
+            "RowParallelLinear": Linear, "ReplicatedLinear": Linear, "RMSNorm": RMSNorm,
+            "VocabParallelEmbedding": Embedding, "ParallelLMHead": Embedding}
+
+
+def _add_real_loader(ns: dict, record: LoadRecord) -> None:
+    """vLLM's WeightsMapper and AutoWeightsLoader (utils.py), compiled from the source into `ns`."""
+    def default_weight_loader(param, loaded):
+        assert param.size() == loaded.size(), f"loading {tuple(loaded.shape)} into {tuple(param.shape)}"
+        param.data.copy_(loaded)
+        record.copies.append(("<default>", None, loaded.data_ptr()))
+
+    ns.update({"re": re, "itertools": itertools, "dataclass": dataclass, "field": field, "replace": replace,
+               "default_weight_loader": default_weight_loader,
+               "support_quantized_model_reload_from_hp_weights": lambda f: f,
+               "StageMissingLayer": type("StageMissingLayer", (nn.Module,), {}),
+               "PPMissingLayer": type("PPMissingLayer", (nn.Identity,), {})})
+    for fn in ("maybe_prefix", "_get_tied_embedding_params", "extract_layer_index", "process_eagle_weight"):
+        ns[fn] = VLLM.compile_function(UTILS_FILE, None, fn, ns)
+    ns["WeightsMapper"] = dataclass(VLLM.compile_class(UTILS_FILE, "WeightsMapper", ns))
+    ns["AutoWeightsLoader"] = VLLM.compile_class(UTILS_FILE, "AutoWeightsLoader", ns)
+
+
+def _stand_in_attention(ns: dict) -> None:
+    """vLLM's Attention over one sequence with its KV cache (each call's rows see every earlier call's and,
+    causally, their own; grouped KV heads) and get_rope's Neox rotation (what llama.py asks for:
+    is_neox_style=True, rope_parameters' theta)."""
+    class Attention(nn.Module):
+        def __init__(self, num_heads, head_size, scale, num_kv_heads=None, **_):
+            super().__init__()
+            self.heads, self.d, self.scale, self.kv = num_heads, head_size, scale, num_kv_heads or num_heads
+            self.cache = None
+
+        def forward(self, q, k, v):
+            t = q.shape[0]
+            q, k, v = (x.view(t, n, self.d).transpose(0, 1) for x, n in ((q, self.heads), (k, self.kv), (v, self.kv)))
+            if self.cache is not None:
+                k, v = torch.cat([self.cache[0], k], 1), torch.cat([self.cache[1], v], 1)
+            self.cache = (k, v)
+            past = k.shape[1] - t
+            mask = torch.arange(k.shape[1])[None] <= torch.arange(past, past + t)[:, None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            return out.transpose(0, 1).reshape(t, self.heads * self.d)
+
+    class NeoxRope(nn.Module):
+        def __init__(self, head_size, max_position=None, rope_parameters=None, is_neox_style=True, **_):
+            super().__init__()
+            assert is_neox_style and (rope_parameters or {}).get("rope_type", "default") == "default"
+            self.d, self.theta = head_size, float(rope_parameters["rope_theta"])
+
+        def forward(self, positions, q, k):
+            inv = 1.0 / self.theta ** (torch.arange(0, self.d, 2, dtype=torch.float32) / self.d)
+            ang = positions.float()[:, None] * inv[None]
+            cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+            def rot(x):
+                x = x.view(x.shape[0], -1, self.d)
+                half = torch.cat([-x[..., self.d // 2:], x[..., :self.d // 2]], -1)
+                return (x * cos[:, None] + half * sin[:, None]).flatten(1)
+            return rot(q), rot(k)
+
+    ns.update({"Attention": Attention, "EncoderOnlyAttention": Attention, "get_rope": NeoxRope})
+
+
+def build_vllm_eagle3(hf_config, target_vocab_size: int, target_layers: int):
+    """vLLM 0.33's Eagle3LlamaForCausalLM for this draft hf_config, built by its real constructors (llama_eagle3.py
+    over llama.py's decoder layer, attention and MLP) on the stand-in layers, tensor parallel 1 -> (model, record
+    of its weight loaders)."""
+    record = LoadRecord()
+    vllm_config = types.SimpleNamespace(
+        speculative_config=types.SimpleNamespace(draft_model_config=types.SimpleNamespace(hf_config=hf_config),
+                                                 parallel_drafting=False),
+        model_config=types.SimpleNamespace(get_total_num_hidden_layers=lambda: target_layers, hf_config=hf_config,
+                                           get_vocab_size=lambda: target_vocab_size, dtype=torch.float32),
+        cache_config=None, quant_config=None)
+    ns = {"torch": torch, "nn": nn, "getattr": getattr, "Mapping": Mapping, "Iterable": Iterable,
+          "Callable": Callable, "SiluAndMul": _SiluAndMul,
+          "logger": types.SimpleNamespace(debug=lambda *a: None, warning=lambda *a: None,
+                                         warning_once=lambda *a: None, info=lambda *a: None),
+          "AttentionType": types.SimpleNamespace(DECODER="decoder", ENCODER_ONLY="encoder_only"),
+          "get_tensor_model_parallel_world_size": lambda: 1, "get_draft_quant_config": lambda vllm_config: None,
+          "get_current_vllm_config": lambda: vllm_config, "supports_any_eagle": lambda model: True,
+          "LogitsProcessor": _LogitsProcessor,
+          "maybe_fused_act_quant": lambda act_fn, x, linear: act_fn(x)}  # unquantised: the plain activation
+    ns.update(_stand_in_layers(record))
+    _stand_in_attention(ns)
+    _add_real_loader(ns, record)
+    for name in ("LlamaMLP", "LlamaAttention", "LlamaDecoderLayer"):
+        ns[name] = VLLM.compile_class(LLAMA_FILE, name, ns)
+    eagle = {**ns, "_Eagle3LlamaDecoderLayerBase": ns["LlamaDecoderLayer"], "_Eagle3LlamaForCausalLMBase": nn.Module}
+    for name in ("LlamaDecoderLayer", "LlamaModel", "Eagle3LlamaForCausalLM"):
+        eagle[name] = VLLM.compile_class(EAGLE3_FILE, name, eagle)
+    return eagle["Eagle3LlamaForCausalLM"](vllm_config=vllm_config, prefix=""), record
+
+
+class _SiluAndMul(nn.Module):
+    def forward(self, x):
+        gate, up = x.chunk(2, -1)
+        return F.silu(gate) * up
+
+
+class _LogitsProcessor:
+    def __init__(self, vocab_size, scale=1.0, **_):
+        self.scale = scale
+
+    def __call__(self, lm_head, hidden):
+        return F.linear(hidden, lm_head.weight) * self.scale
+
+
+def check_vllm_load(model, record: LoadRecord, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Problems of loading `tensors` into a model build_vllm_eagle3 built, by its real load_weights ([] = none):
+    a tensor it drops without a word, a parameter it leaves uninitialised (NaN here), a misshapen shard (raised
+    by the stand-in loaders). vLLM shares the target's embedding when the checkpoint has none, and never reads
+    t2d (its load_weights skips it)."""
+    try:
+        model.load_weights(iter(tensors.items()))
+    except (ValueError, AssertionError) as e:
+        return [f"load_weights raised: {e}"]
+    consumed = {ptr for _, _, ptr in record.copies}
+    problems = [f"{name}: dropped by vLLM's load_weights" for name, t in tensors.items()
+                if name != "t2d" and t.data_ptr() not in consumed]
+    shared = set() if getattr(model, "has_own_embed_tokens", False) else {"model.embed_tokens.weight"}
+    problems += [f"{name}: never loaded (stays uninitialised)" for name, p in model.named_parameters()
+                 if name not in shared and p.is_floating_point() and torch.isnan(p).any()]
+    if not getattr(model, "has_own_lm_head", False):
+        problems.append("vLLM would use the target's lm_head: the checkpoint's was not seen")
+    return problems
