@@ -22,7 +22,7 @@ conversations part checksums, logs of a run killed before its first checkpoint a
 and gradient clipping in the gradient, RoPE's direction, the norms' placement and a full disk
 in safetensors' words, V11-V13 reader locks and the gradient between TTT
 steps, B6-B9 EAGLE-3.1's fc_norm and norm_output, L1-L9 issue 51's MLA draft layer, Z1-Z6 issue 52's
-DeepSpeed runs.
+DeepSpeed runs, VL1-VL4 issue 53's vLLM exports.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class Mutant:
 
 
 ALIGN = ("tests/test_draft_alignment.py",)
+VLLM = "tests/test_vllm_export.py"
 RESUME = ("tests/test_resume.py",)
 WORLD = ("tests/test_resume.py::test_two_processes_stop_and_one_process_finishes_as_if_never_stopped",
          "tests/test_resume.py::test_one_process_stop_and_two_processes_finish_every_sample_once")
@@ -128,11 +129,11 @@ MUTANTS = [
            "d_logits, h = drafter(aux[:, rows]", "d_logits, h = drafter(aux[:, [min(r + 1, aux.shape[1] - 1) for r in rows]]",
            ALIGN),
     Mutant("N10", "llama.cpp's top-level layer ids exported shifted by one", "core/drafter_config.py",
-           '"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),',
-           '"eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.aux_layers],', ("tests/test_aux_layers.py",)),
+           '"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),\n',
+           '"eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.aux_layers],\n', ("tests/test_aux_layers.py",)),
     Mutant("N12", "no top-level layer ids: llama.cpp falls back to [2, L//2, L-3]", "core/drafter_config.py",
-           '"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),', "",
-           ("tests/test_llamacpp_export.py",)),
+           '"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),\n', "\n",
+           ("tests/test_llamacpp_export.py", VLLM)),
     Mutant("F1", "flex TTT mask: a query no longer sees its own step-0 key", "train/ttt_attention.py",
            "        step0 = pos <= q_idx\n", "        step0 = pos < q_idx\n", FAST),
     Mutant("F2", "TTT block mask skips the diagonal block of later steps", "train/ttt_attention.py",
@@ -409,6 +410,16 @@ MUTANTS = [
            "train/ttt_loss.py", "        hidden = drafter.next_input(hidden, normed)",
            "        hidden = drafter.next_input(hidden, normed).detach()",
            ("tests/test_drafter.py::test_ttt_gradient_equals_the_numerical_derivative",)),
+    Mutant("VL1", "the speculators export leaves out the aux layer ids (vLLM captures its default layers)",
+           "core/drafter_config.py", '            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),  # vLLM',
+           "            # vLLM", (VLLM,)),
+    Mutant("VL2", "the speculators export writes the aux ids shifted by one (SGLang's Llama convention)",
+           "core/drafter_config.py", '"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),  # vLLM',
+           '"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers],  # vLLM', (VLLM,)),
+    Mutant("VL3", "the speculators export drops norm_output", "core/drafter_config.py",
+           '            "norm_output": self.norm_output,\n', "", (VLLM,)),
+    Mutant("VL4", "the speculators export leaves norm_before_residual to vLLM's default (true)",
+           "core/drafter_config.py", '"norm_before_residual": False, ', "", (VLLM,)),
 ]
 
 

@@ -14,6 +14,7 @@ from core.hidden_shards import HiddenShards
 from core.target import load_target
 from tests.conftest import ROOT, run_stage
 from tests.sglang_source import check_drafter_tensor_names, sglang_capture_layers
+from tests.vllm_source import aux_layer_ids, build_vllm_eagle3, check_vllm_load, draft_hf_config, serve_alone
 
 TINY = ["data_gen.num_samples=6", "data_gen.max_new_tokens=24", "data_gen.batch_size=3", "data_gen.part_samples=3",
         "extract.dtype=fp32", "extract.mixed_precision=fp32", "extract.batch_tokens=512",
@@ -82,6 +83,22 @@ def test_exported_drafter_loads_in_sglang_and_captures_the_trained_layers(run):
     ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert sglang_capture_layers("llama.py", ids, 30) == [2, 15, 27]  # what the drafter was trained on
     assert check_drafter_tensor_names(load_file(str(run_dir / "drafter/model.safetensors"))) == []
+
+
+def test_the_speculators_copy_serves_in_vllm_alone_with_the_trained_layers(run):
+    """drafter-speculators/: `vllm serve <dir>` starts SmolLM2 from the Hub with this drafter, which vLLM's real
+    readers take with the trained aux layers and load whole (the same weights file as drafter/)."""
+    _, run_dir, _, _ = run
+    spec_dir = run_dir / "drafter-speculators"
+    assert serve_alone(spec_dir) == ("HuggingFaceTB/SmolLM2-135M-Instruct",
+                                     {"method": "eagle3", "num_speculative_tokens": 3, "model": str(spec_dir)})
+    hf = draft_hf_config(spec_dir)
+    assert aux_layer_ids(hf) == {"v2": (2, 15, 27), "v1": (2, 15, 27)}
+    model, record = build_vllm_eagle3(hf, 49152, 30)
+    assert check_vllm_load(model, record, load_file(str(spec_dir / "model.safetensors"))) == []
+    assert (spec_dir / "model.safetensors").read_bytes() == (run_dir / "drafter/model.safetensors").read_bytes()
+    assert json.loads((spec_dir / "manifest.json").read_text())["fingerprint"] == json.loads(
+        (run_dir / "drafter/manifest.json").read_text())["fingerprint"]
 
 
 def test_exported_drafter_counts_its_draft_tokens_over_the_trained_answers(run):
