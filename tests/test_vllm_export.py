@@ -17,6 +17,7 @@ from core.errors import UserError
 from tests.vllm_source import (
     aux_layer_ids,
     build_vllm_eagle3,
+    build_vllm_eagle3_mla,
     check_vllm_load,
     draft_hf_config,
     registry_entry,
@@ -152,6 +153,31 @@ def test_no_speculators_config_for_what_the_format_cannot_hold():
     both = DrafterConfig(**{**base.__dict__, "norm_before_fc": True, "fc_norm": True})
     with pytest.raises(UserError, match="norm_before_fc with fc_norm"):
         both.to_speculators(VERIFIER, K)
+
+
+@pytest.mark.parametrize("flags", [{}, {"fc_norm": True, "norm_output": True}], ids=["plain", "eagle3.1"])
+def test_an_mla_drafter_loads_whole_in_vllms_deepseek_eagle3_class(tmp_path, flags):
+    """An MLA drafter for a Kimi-K2.5-style target (drafter/ only: no speculators form): vLLM's registry sends it
+    to Eagle3DeepseekV2ForCausalLM, whose real constructors and load_weights take every tensor (q_a and kv_a fused
+    in that order), with the trained aux ids and flags."""
+    base = make_drafter().config
+    config = DrafterConfig(**{**base.__dict__, "mla": MLAShape(32, 24, 16, 8, 16), "target_model_type": "kimi_k2",
+                              **flags})
+    drafter = Eagle3Drafter(config)
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p)
+    drafter.save_pretrained(tmp_path)
+    hf = draft_hf_config(tmp_path)
+    assert registry_entry(hf.architectures[0]) == ("deepseek_eagle3", "Eagle3DeepseekV2ForCausalLM")
+    assert aux_layer_ids(hf) == {"v2": tuple(AUX), "v1": tuple(AUX)}
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    model, record = build_vllm_eagle3_mla(hf, V, LAYERS)
+    assert check_vllm_load(model, record, tensors) == []
+    assert (model.model.fc_norm is not None, bool(model.model.norm_output)) == (
+        flags.get("fc_norm", False), flags.get("norm_output", False))
+    fused = model.model.layers[0].self_attn.fused_qkv_a_proj.weight
+    assert torch.equal(fused[:32], tensors["midlayer.self_attn.q_a_proj.weight"].float())
+    assert torch.equal(fused[32:], tensors["midlayer.self_attn.kv_a_proj_with_mqa.weight"].float())
 
 
 def test_vllm_llama_target_captures_the_input_of_each_id_as_we_train_on():

@@ -31,6 +31,8 @@ from tests.engine_source import SourceTree, cached_package
 VLLM_VERSION = "0.33.0"
 EAGLE3_FILE = "model_executor/models/llama_eagle3.py"
 LLAMA_FILE = "model_executor/models/llama.py"
+DEEPSEEK_EAGLE3_FILE = "model_executor/models/deepseek_eagle3.py"
+DEEPSEEK_FILE = "model_executor/models/deepseek_v2.py"
 UTILS_FILE = "model_executor/models/utils.py"
 INTERFACES_FILE = "model_executor/models/interfaces.py"
 REGISTRY_FILE = "model_executor/models/registry.py"
@@ -298,10 +300,11 @@ def _stand_in_attention(ns: dict) -> None:
     class NeoxRope(nn.Module):
         def __init__(self, head_size, max_position=None, rope_parameters=None, is_neox_style=True, **_):
             super().__init__()
-            assert is_neox_style and (rope_parameters or {}).get("rope_type", "default") == "default"
-            self.d, self.theta = head_size, float(rope_parameters["rope_theta"])
+            assert (rope_parameters or {}).get("rope_type", "default") == "default"
+            self.d, self.theta, self.neox = head_size, float(rope_parameters["rope_theta"]), is_neox_style
 
         def forward(self, positions, q, k):
+            assert self.neox, "only the Llama layer's (Neox) rotation runs here"
             inv = 1.0 / self.theta ** (torch.arange(0, self.d, 2, dtype=torch.float32) / self.d)
             ang = positions.float()[:, None] * inv[None]
             cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
@@ -315,16 +318,18 @@ def _stand_in_attention(ns: dict) -> None:
     ns.update({"Attention": Attention, "EncoderOnlyAttention": Attention, "get_rope": NeoxRope})
 
 
-def build_vllm_eagle3(hf_config, target_vocab_size: int, target_layers: int):
-    """vLLM 0.33's Eagle3LlamaForCausalLM for this draft hf_config, built by its real constructors (llama_eagle3.py
-    over llama.py's decoder layer, attention and MLP) on the stand-in layers, tensor parallel 1 -> (model, record
-    of its weight loaders)."""
+def _draft_namespace(hf_config, target_vocab_size: int, target_layers: int) -> tuple[dict, types.SimpleNamespace,
+                                                                                     LoadRecord]:
+    """Globals for vLLM's draft classes: the real loader classes, the stand-in layers and a VllmConfig of tensor
+    parallel 1 whose draft model config is `hf_config` -> (namespace, vllm_config, record)."""
     record = LoadRecord()
     vllm_config = types.SimpleNamespace(
         speculative_config=types.SimpleNamespace(draft_model_config=types.SimpleNamespace(hf_config=hf_config),
                                                  parallel_drafting=False),
         model_config=types.SimpleNamespace(get_total_num_hidden_layers=lambda: target_layers, hf_config=hf_config,
                                            get_vocab_size=lambda: target_vocab_size, dtype=torch.float32),
+        parallel_config=types.SimpleNamespace(dcp_q_replicate=False, decode_context_parallel_size=1,
+                                              prefill_context_parallel_size=1),
         cache_config=None, quant_config=None)
     ns = {"torch": torch, "nn": nn, "getattr": getattr, "Mapping": Mapping, "Iterable": Iterable,
           "Callable": Callable, "SiluAndMul": _SiluAndMul,
@@ -338,12 +343,37 @@ def build_vllm_eagle3(hf_config, target_vocab_size: int, target_layers: int):
     ns.update(_stand_in_layers(record))
     _stand_in_attention(ns)
     _add_real_loader(ns, record)
+    return ns, vllm_config, record
+
+
+def build_vllm_eagle3(hf_config, target_vocab_size: int, target_layers: int):
+    """vLLM 0.33's Eagle3LlamaForCausalLM for this draft hf_config, built by its real constructors (llama_eagle3.py
+    over llama.py's decoder layer, attention and MLP) on the stand-in layers, tensor parallel 1 -> (model, record
+    of its weight loaders)."""
+    ns, vllm_config, record = _draft_namespace(hf_config, target_vocab_size, target_layers)
     for name in ("LlamaMLP", "LlamaAttention", "LlamaDecoderLayer"):
         ns[name] = VLLM.compile_class(LLAMA_FILE, name, ns)
     eagle = {**ns, "_Eagle3LlamaDecoderLayerBase": ns["LlamaDecoderLayer"], "_Eagle3LlamaForCausalLMBase": nn.Module}
     for name in ("LlamaDecoderLayer", "LlamaModel", "Eagle3LlamaForCausalLM"):
         eagle[name] = VLLM.compile_class(EAGLE3_FILE, name, eagle)
     return eagle["Eagle3LlamaForCausalLM"](vllm_config=vllm_config, prefix=""), record
+
+
+def build_vllm_eagle3_mla(hf_config, target_vocab_size: int, target_layers: int):
+    """vLLM 0.33's Eagle3DeepseekV2ForCausalLM (deepseek_eagle3.py over deepseek_v2.py's MLA attention and MLP),
+    built by its real constructors on the stand-in layers -> (model, record). Its weights and flags only: vLLM's
+    MLA attention runs in its own kernels (not stood in here)."""
+    ns, vllm_config, record = _draft_namespace(hf_config, target_vocab_size, target_layers)
+    ns.update({"DeepSeekV2FusedQkvAProjLinear": ns["MergedColumnParallelLinear"], "ColumnParallelLinear":
+               ns["RowParallelLinear"], "DCPGroupColumnParallelLinear": ns["RowParallelLinear"],
+               "envs": types.SimpleNamespace(is_set=lambda name: False), "hasattr": hasattr,
+               "MLAModules": types.SimpleNamespace, "MultiHeadLatentAttentionWrapper": lambda *a, **k: nn.Identity(),
+               "yarn_get_mscale": lambda *a: 1.0, "LocalArgmaxMixin": type("LocalArgmaxMixin", (), {}), "DeepseekV2ForCausalLM": nn.Module})
+    for name in ("DeepseekV2MLP", "DeepseekV2MLAAttention"):
+        ns[name] = VLLM.compile_class(DEEPSEEK_FILE, name, ns)
+    for name in ("DeepseekV2Eagle3DecoderLayer", "DeepseekV2Eagle3Model", "Eagle3DeepseekV2ForCausalLM"):
+        ns[name] = VLLM.compile_class(DEEPSEEK_EAGLE3_FILE, name, ns)
+    return ns["Eagle3DeepseekV2ForCausalLM"](vllm_config=vllm_config, prefix=""), record
 
 
 class _SiluAndMul(nn.Module):
