@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from core.config import RunConfig, describe, load_config
+from core.config import RunConfig, check_ranges, describe, load_config
 from core.errors import UserError
 
 STAGES = ("data_gen", "extract", "train", "eval")
@@ -51,8 +51,9 @@ def stage_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_stage_args(prog: str, doc: str, extend=None, argv=None) -> tuple[RunConfig, argparse.Namespace]:
-    """Parse a stage's CLI into a validated config; bad input exits 2 with a one-line message."""
+def parse_stage_args(prog: str, doc: str, extend=None, argv=None, apply=None) -> tuple[RunConfig, argparse.Namespace]:
+    """Parse a stage's CLI into a validated config; bad input exits 2 with a one-line message. `extend` adds a
+    stage's own flags to the parser, `apply(cfg, args)` sets them on the config (before --dry-run plans it)."""
     parser = stage_parser(prog, doc)
     if extend is not None:
         extend(parser)
@@ -63,6 +64,12 @@ def parse_stage_args(prog: str, doc: str, extend=None, argv=None) -> tuple[RunCo
         parser.exit(2, f"{prog}: error: {e}\n")
     if args.run_dir:
         cfg.run_dir = args.run_dir
+    if apply is not None:
+        apply(cfg, args)
+        try:
+            check_ranges(cfg)
+        except UserError as e:
+            parser.exit(2, f"{prog}: error: {e}\n")
     if args.dry_run:
         dry_run(parser, prog, cfg, args)
     setup_logging()

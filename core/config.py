@@ -105,13 +105,15 @@ class DataGenConfig:
 
 @dataclass
 class ExtractConfig:
-    engine: str = _f("hf", "hf (in-process target) | sglang (a server started by scripts/launch_sglang_extract.sh)",
-                     choices=('hf', 'sglang'))
-    server_url: str = _f("http://127.0.0.1:30000", "sglang engine: the server's root URL")
-    dump_dir: str = _f("", "sglang engine: the server's EAGLE3_DUMP_DIR (default <run>/dumps)")
-    max_inflight: int = _f(8, "sglang engine: requests in flight", ge=1)
-    dump_budget_mb: int = _f(4096, "sglang engine: no new request while the dump dir holds more than this", ge=1)
-    request_timeout: float = _f(600.0, "sglang engine: seconds per request", gt=0)
+    engine: str = _f("hf", "hf (in-process target) | sglang (a server started by scripts/launch_sglang_extract.sh, "
+                           "our plugin inside) | vllm (stock vLLM 0.33 started by scripts/launch_vllm_extract.sh: "
+                           "its extract_hidden_states method, no patch)", choices=('hf', 'sglang', 'vllm'))
+    server_url: str = _f("http://127.0.0.1:30000", "sglang / vllm engine: the server's root URL")
+    dump_dir: str = _f("", "sglang / vllm engine: the dir the server writes each request's states into, the "
+                           "client's too (SGLang's EAGLE3_DUMP_DIR, vLLM's shared_storage_path; default <run>/dumps)")
+    max_inflight: int = _f(8, "sglang / vllm engine: requests in flight", ge=1)
+    dump_budget_mb: int = _f(4096, "sglang / vllm engine: no new request while the dump dir holds more than this", ge=1)
+    request_timeout: float = _f(600.0, "sglang / vllm engine: seconds per request, and per wait for its file", gt=0)
     aux_layers: list[int] | None = _f(None, "input-of-layer ids; default [2, L//2, L-3]", ge=0)
     batch_tokens: int = _f(4096, "token budget of one forward batch", ge=1)
     shard_mb: int = _f(256, "approximate size of one shard file", ge=0)

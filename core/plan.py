@@ -13,13 +13,17 @@ run dir; an embedded alias (smollm2, tiny) has its model cache built on first us
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from urllib.parse import urlparse
 
 from core.aux_layers import resolve_aux_layers, sglang_layer_ids
 from core.config import RunConfig, TrainConfig, TrainKernels
 from core.drafter_config import DrafterConfig, DraftVariant, MLAShape
 from core.errors import UserError
 from core.target import read_target_config, resolve_target
+from core.vllm_extract import server_command, vllm_layer_ids
 
 GIB = 1024 ** 3
 # (stage, hidden, layers, storage or precision) -> [(tokens/s, where measured)]. Only shapes measured on
@@ -255,7 +259,24 @@ def _extract_lines(cfg: RunConfig, sh: _Shape) -> list[str]:
             f"storing all {layers + 1} hidden states in bf16 instead: {all_layers:,} B/token "
             f"({all_layers / per_tok:.1f}x) -> {_gib(sh.tokens * all_layers)}",
             *disk_lines(h, sh.cap),
-            f"time: {_hours(sh.tokens, ('extract', h, layers, x.dtype))}"]
+            f"time: {_hours(sh.tokens, ('extract', h, layers, x.dtype))}",
+            *(_vllm_lines(cfg, sh) if x.engine == "vllm" else [])]
+
+
+def _vllm_lines(cfg: RunConfig, sh: _Shape) -> list[str]:
+    """The stock vLLM server's command (scripts/launch_vllm_extract.sh runs it) and the disk its files take."""
+    h, layers, x = sh.tc["hidden_size"], sh.tc["num_hidden_layers"], cfg.extract
+    ids = vllm_layer_ids(sh.aux, layers)
+    storage = Path(x.dump_dir or cfg.run_path / "dumps").resolve()
+    port = urlparse(x.server_url).port or 8000
+    per_tok = len(ids) * h * (4 if cfg.target.dtype == "fp32" else 2)
+    return [f"vLLM layer ids {ids}: the aux layers as they are (vLLM's id k is the input of layer k) and {layers}, the "
+            "last layer's output, which the client puts through the target's final norm for `final`",
+            "server: " + shlex.join(server_command(str(cfg.target.model), port, ids, storage,
+                                                   cfg.target.trust_remote_code)),
+            f"server files: {len(ids)} x {h} x {per_tok // (len(ids) * h)} B = {per_tok:,} B/token in "
+            f"{cfg.target.dtype}, at most {x.dump_budget_mb:,} MiB on disk at once (extract.dump_budget_mb: no new "
+            "request above it), each deleted once packed into the shards"]
 
 
 def _train_lines(cfg: RunConfig, sh: _Shape, world_size: int) -> list[str]:

@@ -346,14 +346,26 @@ class TargetHead:
 def load_target_embeddings(cfg: RunConfig) -> TargetHead:
     """Read the embedding, lm_head and final norm straight from the target's safetensors (no full load),
     under the names its checkpoint index gives them (`weight_names`)."""
+    names = weight_names(cfg)
+    found = _read_target_tensors(cfg, {names.embed, names.lm_head, names.norm} - {""})
+    return TargetHead(found[names.embed], found[names.lm_head], found.get(names.norm))
+
+
+def load_final_norm(cfg: RunConfig) -> tuple[torch.Tensor, float]:
+    """(the target's final RMSNorm weight [H] in fp32, its eps), read alone from its safetensors."""
+    names = weight_names(cfg)
+    if not names.norm:
+        raise UserError(f"target.model = {cfg.target.model!r}: no final norm weight in its checkpoint index")
+    eps = read_target_config(resolve_target(cfg)).get("rms_norm_eps", 1e-6)
+    return _read_target_tensors(cfg, {names.norm})[names.norm], float(eps)
+
+
+def _read_target_tensors(cfg: RunConfig, wanted: set[str]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
-    path = resolve_target(cfg)
-    names = weight_names(cfg)
-    wanted = {names.embed, names.lm_head, names.norm} - {""}
-    found: dict[str, torch.Tensor] = {}
-    for name in names.files:
+    path, found = resolve_target(cfg), {}
+    for name in weight_names(cfg).files:
         with safe_open(str(path / name), framework="pt") as f:
             for key in wanted & set(f.keys()):
                 found[key] = f.get_tensor(key).float()
-    return TargetHead(found[names.embed], found[names.lm_head], found.get(names.norm))
+    return found

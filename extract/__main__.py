@@ -1,5 +1,5 @@
 """python -m extract --config configs/<name>.yaml [key=value ...]
-python -m extract --engine sglang --server http://127.0.0.1:30000 [--config ...]   (= extract.engine / server_url)
+python -m extract --engine sglang|vllm --server http://127.0.0.1:30000 [--config ...]   (= extract.engine / server_url)
 python -m extract stats [--config ... | --hidden DIR]   bytes/token of the shards, beside the alternatives"""
 
 import sys
@@ -22,10 +22,12 @@ if __name__ == "__main__":
     from extract.run import main
 
     def engine_flags(p):
-        p.add_argument("--engine", default=None, help="hf | sglang (overrides extract.engine)")
-        p.add_argument("--server", default=None, help="SGLang server root URL (overrides extract.server_url)")
+        p.add_argument("--engine", default=None, help="hf | sglang | vllm (overrides extract.engine)")
+        p.add_argument("--server", default=None, help="the server's root URL (overrides extract.server_url)")
 
-    cfg, args = parse_stage_args("extract", __doc__, extend=engine_flags)
-    cfg.extract.engine = args.engine or cfg.extract.engine
-    cfg.extract.server_url = args.server or cfg.extract.server_url
+    def apply_engine_flags(cfg, args):
+        cfg.extract.engine = args.engine or cfg.extract.engine
+        cfg.extract.server_url = args.server or cfg.extract.server_url
+
+    cfg, args = parse_stage_args("extract", __doc__, extend=engine_flags, apply=apply_engine_flags)
     sys.exit(run_main("extract", main, cfg, fresh=args.fresh))

@@ -2,6 +2,7 @@
 
     python -m extract --config configs/smollm2-135m-instruct.yaml                       # in-process (hf)
     python -m extract --config ... --engine sglang --server http://127.0.0.1:30000   # extract.engine, server_url
+    python -m extract --config ... --engine vllm --server http://127.0.0.1:8000      # stock vLLM, no patch
 
 Reads <run>/conversations, writes <run>/hidden (core/hidden_shards.py) + manifest.json.
 A rerun skips ids already in the shard index; a kill -9 loses at most the uncommitted shard.
@@ -23,9 +24,12 @@ from core.hidden_capture import capture_compat, extract_batch
 from core.hidden_shards import ShardWriter
 from core.manifest import IN_PROGRESS, open_stage_dir, write_manifest
 from core.stage_lock import stage_lock, stage_reader
-from core.target import load_target, resolve_precision, target_info
+from core.target import load_final_norm, load_target, resolve_precision, target_info
+from core.vllm_extract import vllm_layer_ids
 from extract.hf_engine import batches_by_tokens
+from extract.server_extract import ServerExtractor
 from extract.sglang_client import SGLangExtractor
+from extract.vllm_client import VLLMExtractor
 
 log = logging.getLogger("extract")
 
@@ -61,7 +65,7 @@ def extract(cfg: RunConfig, out: Path, fresh: bool) -> Path:
             extract_hf(model, rows, lengths, aux_layers, writer, bar, ex.batch_tokens,
                        resolve_precision(ex.mixed_precision))
         else:
-            failures = extract_sglang(cfg, rows, writer, bar)
+            failures = extract_server(cfg, server_client(cfg, info, aux_layers), rows, writer, bar)
     bar.close()
     counts = {"samples": len(writer.done), "extracted_now": len(todo) - sum(failures.values()),
               "failed_now": failures}
@@ -84,10 +88,19 @@ def extract_hf(model, rows, lengths: list[int], aux_layers: list[int], writer: S
         bar.update(sum(lengths[i] for i in batch))
 
 
-def extract_sglang(cfg: RunConfig, rows, writer: ShardWriter, bar) -> dict:
+def server_client(cfg: RunConfig, info, aux_layers: list[int]) -> ServerExtractor:
+    """The client of extract.engine's server (sglang: our plugin's dumps; vllm: its hidden-states connector)."""
     ex = cfg.extract
-    client = SGLangExtractor(ex.server_url, Path(ex.dump_dir or cfg.run_path / "dumps"), ex.max_inflight,
-                             ex.dump_budget_mb * 2**20, ex.request_timeout, dump_timeout=ex.request_timeout)
+    args = (ex.server_url, Path(ex.dump_dir or cfg.run_path / "dumps").resolve(), ex.max_inflight,
+            ex.dump_budget_mb * 2**20, ex.request_timeout)
+    if ex.engine == "sglang":
+        return SGLangExtractor(*args, dump_timeout=ex.request_timeout)
+    weight, eps = load_final_norm(cfg)
+    return VLLMExtractor(*args, dump_timeout=ex.request_timeout, layer_ids=vllm_layer_ids(aux_layers, info.num_layers),
+                         hidden_size=info.hidden_size, norm_weight=weight, norm_eps=eps)
+
+
+def extract_server(cfg: RunConfig, client: ServerExtractor, rows, writer: ShardWriter, bar) -> dict:
     if n := client.clear_stale_dumps():
         log.info("removed %d dumps left by an interrupted run (their samples are redone)", n)
 

@@ -22,7 +22,8 @@ conversations part checksums, logs of a run killed before its first checkpoint a
 and gradient clipping in the gradient, RoPE's direction, the norms' placement and a full disk
 in safetensors' words, V11-V13 reader locks and the gradient between TTT
 steps, B6-B9 EAGLE-3.1's fc_norm and norm_output, L1-L9 issue 51's MLA draft layer, Z1-Z6 issue 52's
-DeepSpeed runs, VL1-VL4 issue 53's vLLM exports.
+DeepSpeed runs, VL1-VL4 issue 53's vLLM exports, VX1-VX3 issue 56's
+stock vLLM extraction.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Mutant:
 
 ALIGN = ("tests/test_draft_alignment.py",)
 VLLM = "tests/test_vllm_export.py"
+VX = "tests/test_extract_vllm.py"
 RESUME = ("tests/test_resume.py",)
 WORLD = ("tests/test_resume.py::test_two_processes_stop_and_one_process_finishes_as_if_never_stopped",
          "tests/test_resume.py::test_one_process_stop_and_two_processes_finish_every_sample_once")
@@ -410,6 +412,17 @@ MUTANTS = [
            "train/ttt_loss.py", "        hidden = drafter.next_input(hidden, normed)",
            "        hidden = drafter.next_input(hidden, normed).detach()",
            ("tests/test_drafter.py::test_ttt_gradient_equals_the_numerical_derivative",)),
+    Mutant("VX1", "vLLM's layer ids shifted by one (the SGLang Llama convention, id = output of layer i)",
+           "core/vllm_extract.py", "    return [*aux_layers, num_layers]", "    return [*(i - 1 for i in aux_layers), num_layers]",
+           (VX + "::test_shards_equal_the_hf_engines_and_each_fault_is_named_not_written",
+            VX + "::test_vllm_layer_ids_capture_our_aux_layers_and_final_on_llama")),
+    Mutant("VX2", "the vllm engine never compares the file's token ids (the sample's own are passed on as seen)",
+           "extract/vllm_client.py", "        return ids, aux, final_norm(hs[:, -1], self.norm_weight, self.norm_eps)",
+           "        return torch.tensor(input_ids), aux, final_norm(hs[:, -1], self.norm_weight, self.norm_eps)",
+           (VX + "::test_shards_equal_the_hf_engines_and_each_fault_is_named_not_written",)),
+    Mutant("VX3", "the vllm engine reads a file before its writer released the lock", "extract/vllm_client.py",
+           "                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)\n                    break",
+           "                    break", (VX + "::test_shards_equal_the_hf_engines_and_each_fault_is_named_not_written",)),
     Mutant("VL1", "the speculators export leaves out the aux layer ids (vLLM captures its default layers)",
            "core/drafter_config.py", '            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),  # vLLM',
            "            # vLLM", (VLLM,)),

@@ -166,7 +166,7 @@ def test_fp8_loss_span_shards_through_the_double_train_and_stats(served, convers
 def test_dump_dir_bytes_skips_a_file_renamed_while_it_is_measured(tmp_path, monkeypatch):
     """The server renames `.tmp` dumps into place while the client sums the dir: a listed file that is
     gone by its stat() counts as nothing instead of aborting the whole extraction."""
-    from extract.sglang_client import dump_dir_bytes
+    from extract.server_extract import dump_dir_bytes
 
     (tmp_path / "eagle3-a.safetensors").write_bytes(b"x" * 100)
     (tmp_path / "sub").mkdir()

@@ -5,6 +5,8 @@ a remote-code tokenizer, Kimi's chat template with thinking) at toy widths. Only
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pyarrow.parquet as pq
 import pytest
@@ -14,10 +16,11 @@ from safetensors.torch import load_file
 from core.config import load_config
 from core.conversations import part_files
 from core.hidden_shards import HiddenShards, teacher_positions
-from core.target import SMOLLM2, load_tokenizer, resolve_target
+from core.target import SMOLLM2, load_target, load_tokenizer, resolve_target
 from extract.sglang_launch import launch_vars
 from tests.conftest import ROOT, run_stage
 from tests.fake_openai_server import FakeOpenAIServer
+from tests.fake_vllm_server import FakeVLLMServer
 from tests.sglang_source import (
     check_drafter_shapes,
     check_drafter_tensor_names,
@@ -152,6 +155,31 @@ def test_our_engine_decodes_kimi_losslessly(chain):
     report = json.loads((run_dir / "eval/report.json").read_text())
     assert report["outputs_match_baseline"] is True and report["num_prompts"] == 2
     assert report["acceptance_length"] >= 1.0
+
+
+def test_stock_vllm_extraction_writes_the_hf_engines_shards_bit_for_bit(chain, kimi, tmp_path):
+    """extract.engine=vllm on Kimi's own config: the launcher asks vLLM for layers 3/31/59 and 61 (the last layer's
+    output), and the shards through tests/fake_vllm_server.py (vLLM's connector code over the tiny Kimi) equal the
+    hf engine's in fp32, bit for bit."""
+    model, _ = kimi
+    exact = ["extract.dtype=fp32", "extract.mixed_precision=fp32", "extract.batch_tokens=1"]
+    for engine in ("hf", "vllm"):
+        shutil.copytree(chain[1] / "conversations", tmp_path / engine / "conversations")
+    run_stage("extract", *flags(model, tmp_path / "hf", *exact))
+    launch = subprocess.run([sys.executable, "-m", "extract.vllm_launch", *flags(model, tmp_path / "vllm", *exact)],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert launch.returncode == 0 and '"eagle_aux_hidden_state_layer_ids": [3, 31, 59, 61]' in launch.stdout
+    assert " --trust-remote-code " in launch.stdout
+    target, _ = load_target(load_config(ROOT / KIMI, [f"target.model={model}", *SIZES]))
+    with FakeVLLMServer(target, launch.stdout.strip()) as server:
+        run_stage("extract", *flags(model, tmp_path / "vllm", *exact, "extract.engine=vllm",
+                                    f"extract.server_url={server.url}"))
+    ours, ref = HiddenShards(tmp_path / "vllm/hidden"), HiddenShards(tmp_path / "hf/hidden")
+    assert sorted(ours.ids) == sorted(ref.ids) and len(ref) == len(rows(chain[1]))
+    for sid in ref.ids:
+        a, b = ours.load(sid), ref.load(sid)
+        for key in ("input_ids", "loss_mask", "aux", "final"):
+            assert torch.equal(a[key], b[key]), (sid, key)
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,15 @@ The wheels are fetched once into the cache (tests/engine_source.py; vLLM's Pytho
 """
 
 import ast
+import fcntl
+import functools
 import importlib
 import itertools
+import os
 import re
 import sys
 import types
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import islice
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from core.drafter_config import SPECULATORS_VERSION
@@ -408,3 +413,105 @@ def check_vllm_load(model, record: LoadRecord, tensors: dict[str, torch.Tensor])
     if not getattr(model, "has_own_lm_head", False):
         problems.append("vLLM would use the target's lm_head: the checkpoint's was not seen")
     return problems
+
+
+# ----------------------------------------------------------------------------- hidden-states extraction
+CONNECTOR_FILE = "distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
+COMPLETION_PROTOCOL_FILE = "entrypoints/openai/completion/protocol.py"
+COMPLETION_SERVING_FILE = "entrypoints/openai/completion/serving.py"
+ENGINE_SERVING_FILE = "entrypoints/serve/engine/serving.py"
+INPUT_PROCESSOR_FILE = "v1/engine/input_processor.py"
+
+
+class _ConnectorBase:
+    """KVConnectorBase_V1's metadata slot, which the connector's scheduler and worker halves pass through."""
+    _connector_metadata = None
+
+    def _get_connector_metadata(self):
+        return self._connector_metadata
+
+    def has_connector_metadata(self) -> bool:
+        return self._connector_metadata is not None
+
+
+def hidden_states_connector(storage_dir: Path, use_lock: bool = True):
+    """vLLM 0.33's ExampleHiddenStatesConnector, compiled from its source, state set as its __init__ sets it for
+    tensor parallel rank 0 (its __init__ itself needs the engine): build_connector_meta, wait_for_save,
+    request_finished and _write_tensors are the release's own. -> (connector, its module namespace)."""
+    ns = {"os": os, "fcntl": fcntl, "torch": torch, "save_file": save_file, "load_file": load_file,
+          "dataclass": dataclass, "field": field, "partial": functools.partial, "Any": object,
+          "logger": types.SimpleNamespace(info=lambda *a: None, warning=lambda *a: None, error=lambda *a: None),
+          "KVConnectorBase_V1": _ConnectorBase, "SupportsHMA": type("SupportsHMA", (), {}),
+          "KVConnectorMetadata": type("KVConnectorMetadata", (), {})}
+    for name in ("PendingSave", "ExampleHiddenStatesConnectorMetadata"):
+        ns[name] = dataclass(VLLM.compile_class(CONNECTOR_FILE, name, ns))
+    connector = object.__new__(VLLM.compile_class(CONNECTOR_FILE, "ExampleHiddenStatesConnector", ns))
+    connector.__dict__.update(_storage_path=str(storage_dir), _pending_saves={}, _request_filenames={},
+                              _lock_fds={}, _is_tp_rank_zero=True, use_lock=use_lock, allow_custom_save_path=False)
+    return connector, ns
+
+
+def connector_file_keys() -> set[str]:
+    """The tensor names of the connector's file: the keys of the dict _submit_async_write hands the writer."""
+    node = VLLM.method(CONNECTOR_FILE, "ExampleHiddenStatesConnector", "_submit_async_write")
+    dicts = [n for n in ast.walk(node) if isinstance(n, ast.Assign) and any(
+        getattr(t, "id", None) == "tensors" for t in n.targets) and isinstance(n.value, ast.Dict)]
+    assert len(dicts) == 1, f"_submit_async_write in {VLLM.label}/{CONNECTOR_FILE} no longer builds one `tensors` dict"
+    return {k.value for k in dicts[0].value.keys}
+
+
+def completion_fields() -> dict[str, set[str]]:
+    """Field names of vLLM's non-streaming completion answer and of its choices (protocol.py)."""
+    def fields(cls):
+        return {n.target.id for n in VLLM.cls(COMPLETION_PROTOCOL_FILE, cls).body if isinstance(n, ast.AnnAssign)}
+    return {"response": fields("CompletionResponse"), "choice": fields("CompletionResponseChoice")}
+
+
+def internal_request_id(header_id: str) -> str:
+    """The engine's id of a completion sent with `X-Request-Id: header_id` (its first prompt): serving.py's
+    `cmpl-<base id>`, `-<prompt index>`, and input_processor's 8 random characters, as the source spells them."""
+    base = VLLM.compile_function(ENGINE_SERVING_FILE, "BaseServing", "_base_request_id",
+                                 {"random_uuid": lambda: "unused"})
+    raw = types.SimpleNamespace(headers={"X-Request-Id": header_id})
+    serving = VLLM.text(COMPLETION_SERVING_FILE)
+    assert 'request_id = f"cmpl-{self._base_request_id(raw_request, request.request_id)}"' in serving
+    assert 'request_id_item = f"{request_id}-{i}"' in serving
+    request = types.SimpleNamespace(external_req_id=None, request_id=f"cmpl-{base(raw, None)}-0")
+    assign = VLLM.compile_function(INPUT_PROCESSOR_FILE, "InputProcessor", "assign_request_id", {
+        "envs": types.SimpleNamespace(VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=False), "logger": None,
+        "random_uuid": lambda: uuid.uuid4().hex})
+    assign(request)
+    return request.request_id
+
+
+def vllm_deepseek_capture(hf_model, input_ids: torch.Tensor, layer_ids: Iterable[int]) -> list[torch.Tensor]:
+    """The aux states vLLM 0.33's DeepSeek-V2/V3 model (what Kimi-K2.5's language model runs) returns for
+    `layer_ids`: the real DeepseekV2Model.forward (deepseek_v2.py: id k taken before layer k, id L after the last
+    layer) over the decoder layers of a transformers DeepseekV3, each wrapped to vLLM's call."""
+    inner = hf_model.model
+    positions = torch.arange(input_ids.shape[-1])[None]
+    rope = inner.rotary_emb(inner.embed_tokens(input_ids), positions)
+
+    class Layer(nn.Module):
+        use_sequence_parallel_moe = False
+
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, positions, hidden, residual, llama_4_scaling=None):
+            stream = hidden if residual is None else hidden + residual
+            out = self.layer(stream[None], position_embeddings=rope, position_ids=positions[None])
+            out = (out[0] if isinstance(out, tuple) else out)[0]
+            return out - stream, stream
+
+    forward = VLLM.compile_function(DEEPSEEK_FILE, "DeepseekV2Model", "forward", {
+        "get_pp_group": lambda: types.SimpleNamespace(is_first_rank=True, is_last_rank=True), "islice": islice,
+        "getattr": getattr})
+    model = types.SimpleNamespace(layers=[Layer(layer) for layer in inner.layers], start_layer=0,
+                                  end_layer=len(inner.layers), aux_hidden_state_layers=tuple(layer_ids),
+                                  config=types.SimpleNamespace(), embed_input_ids=inner.embed_tokens,
+                                  norm=lambda hidden, residual: (inner.norm(hidden + residual), None))
+    with torch.no_grad():
+        _, aux = forward(model, input_ids[0], positions[0], None)
+    return aux
