@@ -89,7 +89,8 @@ def _server_section(r: dict) -> str:
                            f"{lv['outputs_equal']}/{s['num_prompts']}"]))
     lines += ["", "τ pooled = the level's tokens / its target verifications, from the engine's own counters (what "
               "vLLM's and SGLang's logs print); τ per request = the mean of each request's own τ (what SpecForge's "
-              "benchmark prints; n/a where the engine counts no request on its own, as vLLM). "
+              "benchmark prints; n/a where the engine sent no per-request counts: start vLLM with "
+              "--per-request-spec-decode-metrics summary). "
               "Tokens/s = output tokens of all prompts / wall time of the level. "
               f"{s['num_prompts']} prompts x ≤ {s['max_new_tokens']} new tokens, greedy, prompts sent as token ids.",
               "", "![throughput](throughput.png)", ""]

@@ -50,14 +50,15 @@ def _openai_body(url: str, ids: list[int], n: int, server_type: str) -> tuple[st
 
 def request(url: str, ids: list[int], n: int, server_type: str, timeout: float = 600.0) -> dict:
     """One streamed greedy completion -> {"text", "output_tokens", "ttft_s", "latency_s", and the engine's
-    own per-request record: "meta_info" (SGLang) or "timings" (llama.cpp)}."""
+    own per-request record: "meta_info" (SGLang), "timings" (llama.cpp) or "metrics" (vLLM, when started with
+    --per-request-spec-decode-metrics summary)}."""
     if server_type == "sglang":
         endpoint, body = f"{url}/generate", {"input_ids": ids, "stream": True,
                                              "sampling_params": {"max_new_tokens": n, "temperature": 0.0}}
     else:
         endpoint, body = _openai_body(url, ids, n, server_type)
     t0 = time.perf_counter()
-    ttft, text, usage, meta, timings = None, "", None, None, None
+    ttft, text, usage, meta, timings, per_request = None, "", None, None, None, None
     with httpx.stream("POST", endpoint, json=body, timeout=timeout) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{endpoint}: HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}")
@@ -71,6 +72,7 @@ def request(url: str, ids: list[int], n: int, server_type: str, timeout: float =
                 text += piece
                 usage = chunk.get("usage") or usage
                 timings = chunk.get("timings") or timings  # llama.cpp: incl. draft_n, draft_n_accepted
+                per_request = chunk.get("metrics") or per_request  # vLLM, last chunk: metrics.speculative_decoding
             if piece and ttft is None:
                 ttft = time.perf_counter() - t0
     latency = time.perf_counter() - t0
@@ -78,7 +80,7 @@ def request(url: str, ids: list[int], n: int, server_type: str, timeout: float =
     if tokens is None:
         raise RuntimeError(f"{endpoint}: the stream carried no token count (usage / meta_info)")
     return {"text": text, "output_tokens": tokens, "ttft_s": ttft if ttft is not None else latency,
-            "latency_s": latency, "meta_info": meta, "timings": timings}
+            "latency_s": latency, "meta_info": meta, "timings": timings, "metrics": per_request}
 
 
 def run_level(url: str, items: list[tuple[str, list[int]]], n: int, concurrency: int, server_type: str) -> dict:

@@ -75,8 +75,9 @@ def sglang_window(meta_infos: list[dict]) -> dict:
 
 
 def per_request_tau(rows: list[dict], server_type: str) -> float | None:
-    """The mean over requests of each one's own τ, from the engine's per-request counts; None for vLLM, whose
-    OpenAI responses carry none (its τ is pooled from /metrics only)."""
+    """The mean over requests of each one's own τ, from the engine's per-request counts (None where it gave none):
+    SGLang's meta_info, llama.cpp's timings, vLLM's metrics.speculative_decoding (only from a server started with
+    --per-request-spec-decode-metrics summary: 1 + accepted drafts per verification, its mean_acceptance_length)."""
     taus = []
     for row in rows:
         if server_type == "sglang":
@@ -87,6 +88,8 @@ def per_request_tau(rows: list[dict], server_type: str) -> float | None:
             tokens, accepted = t.get("predicted_n"), t.get("draft_n_accepted")
             taus.append(tokens / (tokens - accepted) if tokens and accepted is not None and tokens > accepted else None)
         else:
-            return None
+            spec = (row.get("metrics") or {}).get("speculative_decoding") or {}
+            steps, accepted = spec.get("num_spec_steps"), spec.get("num_accepted_draft_tokens")
+            taus.append(1 + accepted / steps if steps and accepted is not None else None)
     taus = [x for x in taus if x is not None]
     return sum(taus) / len(taus) if taus else None

@@ -7,7 +7,10 @@ Fields, from each engine's documentation (../shared/reference/sglang-0.5.23.md; 
   when stream_options.include_usage, then `data: [DONE]`); `/metrics` with Prometheus counters
   `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`, `..._num_accepted_tokens_total`,
   `..._num_accepted_tokens_per_pos_total{position}`, one series per engine (data parallel: 2 here) and
-  model, with `# HELP`/`# TYPE` lines and `_created` samples as prometheus_client writes them.
+  model, with `# HELP`/`# TYPE` lines and `_created` samples as prometheus_client writes them; with
+  `per_request_metrics` (vLLM's --per-request-spec-decode-metrics summary) the usage chunk also carries
+  `metrics.speculative_decoding` (SpeculativeDecodingMetrics of vLLM 0.33's protocol.py: num_spec_steps,
+  num_accepted_draft_tokens, mean_acceptance_length, ...; names checked in tests/test_server_eval.py).
 - both: `/v1/models` (the OpenAI model list: the served model's id).
 - SGLang: streamed `/generate` with `input_ids` (SSE chunks whose `text` is cumulative and whose
   `meta_info` carries prompt_tokens, completion_tokens, spec_verify_ct, spec_accept_length).
@@ -39,9 +42,11 @@ def rounds(n: int, k: int) -> list[int]:
 
 
 class FakeSpecServer(LoopbackServer):
-    def __init__(self, engine: str, speculative: bool, k: int = 3, model: str = "/models/target"):
+    def __init__(self, engine: str, speculative: bool, k: int = 3, model: str = "/models/target",
+                 per_request_metrics: bool = False):
         assert engine in ("vllm", "sglang")
         self.engine, self.speculative, self.k, self.model = engine, speculative, k, model
+        self.per_request_metrics = per_request_metrics  # vLLM's --per-request-spec-decode-metrics summary
         self.lock = threading.Lock()
         self.drafts, self.accepted = [0, 0], [0, 0]  # per data-parallel engine
         self.per_pos = [[0] * k, [0] * k]
@@ -87,13 +92,18 @@ class FakeSpecServer(LoopbackServer):
         return words, steps
 
     def vllm_chunks(self, body: dict) -> list[dict]:
-        words, _ = self._decode(body["prompt"], body["max_tokens"])
+        words, steps = self._decode(body["prompt"], body["max_tokens"])
         chunks = [{"object": "text_completion", "choices": [{"index": 0, "text": w, "finish_reason": None}]}
                   for w in words]
         chunks[-1]["choices"][0]["finish_reason"] = "length"
         if body.get("stream_options", {}).get("include_usage"):
             chunks.append({"object": "text_completion", "choices": [],
                            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(words)}})
+            if self.speculative and self.per_request_metrics:  # vLLM's SpeculativeDecodingMetrics, final chunk only
+                chunks[-1]["metrics"] = {"speculative_decoding": {
+                    "num_spec_steps": len(steps), "num_accepted_draft_tokens": len(words) - 1 - len(steps),
+                    "mean_acceptance_length": 1 + (len(words) - 1 - len(steps)) / len(steps),
+                    "num_spec_tokens": self.k}}
         return chunks
 
     def sglang_chunks(self, body: dict) -> list[dict]:

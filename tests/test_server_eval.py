@@ -1,6 +1,7 @@
 """`python -m eval --engine server` against vLLM and SGLang test doubles (tests/fake_spec_server.py: their
 documented client fields, scripted acceptance), and the counter parsers on their own."""
 
+import ast
 import copy
 import json
 import warnings
@@ -12,9 +13,15 @@ from eval.report import write_report
 from eval.spec_counters import counter_window, per_request_tau, prometheus_spec_counters, sglang_window
 from tests.conftest import ROOT, run_stage
 from tests.fake_spec_server import FakeSpecServer, rounds
+from tests.vllm_source import COMPLETION_PROTOCOL_FILE, VLLM
 
 K = 3
 N = 12
+
+
+BASE_PROTOCOL_FILE = "entrypoints/generate/base/protocol.py"
+METRICS_FILE = "v1/metrics/stats.py"
+OBSERVABILITY_FILE = "config/observability.py"
 
 
 def expected(num_prompts: int) -> tuple[float, list[float]]:
@@ -26,7 +33,7 @@ def expected(num_prompts: int) -> tuple[float, list[float]]:
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_eval_server_reports_the_engines_own_counts(engine, tmp_path):
     out = tmp_path / "eval"
-    with FakeSpecServer(engine, False, K) as base, FakeSpecServer(engine, True, K) as spec:
+    with FakeSpecServer(engine, False, K) as base, FakeSpecServer(engine, True, K, per_request_metrics=True) as spec:
         run_stage("eval", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(tmp_path / "run"),
                 "--engine", "server", "--server-type", engine, "--base", base.url, "--spec", spec.url,
                 "--prompts", str(ROOT / "tests/data/mt_bench_3.jsonl"), "--max-new-tokens", str(N),
@@ -43,7 +50,7 @@ def test_eval_server_reports_the_engines_own_counts(engine, tmp_path):
         if engine == "vllm":  # counted from Prometheus deltas over this level only, both DP engines summed
             assert lv["acceptance_length"] == pytest.approx(tau)
             assert lv["per_position_acceptance"] == pytest.approx(per_pos)
-            assert lv["per_request_acceptance_length"] is None  # vLLM counts no request on its own
+            assert lv["per_request_acceptance_length"] == pytest.approx(tau)  # equal answers: the pooled one
         else:  # SGLang's own rule: completion_tokens / spec_verify_ct, the prefill token included
             assert lv["acceptance_length"] == pytest.approx(N / len(rounds(N, K)))
             assert lv["per_position_acceptance"] is None
@@ -143,4 +150,19 @@ def test_tau_per_request_is_the_mean_of_each_requests_own_tau_not_the_pooled_one
     llamacpp = [{"timings": {"predicted_n": 12, "draft_n": 20, "draft_n_accepted": 6}},
                 {"timings": {"predicted_n": 20, "draft_n": 30, "draft_n_accepted": 15}}]
     assert per_request_tau(llamacpp, "llamacpp") == pytest.approx((12 / 6 + 20 / 5) / 2)
-    assert per_request_tau(llamacpp, "vllm") is None
+    vllm = [{"metrics": {"speculative_decoding": {"num_spec_steps": 4, "num_accepted_draft_tokens": 4}}},
+            {"metrics": {"speculative_decoding": {"num_spec_steps": 10, "num_accepted_draft_tokens": 20}}}]
+    assert per_request_tau(vllm, "vllm") == pytest.approx((2.0 + 3.0) / 2)
+    assert per_request_tau([{"metrics": None}], "vllm") is None  # a server started without the flag
+
+
+def test_vllm_per_request_counts_are_what_vllm_0_33_sends():
+    """The fields per_request_tau reads from a vLLM answer, its flag and its τ rule, in vLLM's own source."""
+    fields = {n.target.id for n in VLLM.cls(BASE_PROTOCOL_FILE, "SpeculativeDecodingMetrics").body
+              if isinstance(n, ast.AnnAssign)}
+    assert {"num_spec_steps", "num_accepted_draft_tokens", "mean_acceptance_length"} <= fields
+    assert "metrics" in {n.target.id for n in VLLM.cls(COMPLETION_PROTOCOL_FILE, "CompletionStreamResponse").body
+                         if isinstance(n, ast.AnnAssign)}
+    assert "mean_al = 1.0 + num_accepted / num_spec_steps if num_spec_steps else 1.0" in VLLM.text(METRICS_FILE)
+    assert 'per_request_spec_decode_metrics: Literal["none", "summary", "detailed"] = "none"' in VLLM.text(
+        OBSERVABILITY_FILE)
