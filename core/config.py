@@ -167,6 +167,18 @@ class TrainMLA:
 
 
 @dataclass
+class TrainDFlash:
+    """A DFlash block drafter (train.drafter = dflash, core/dflash.py): Qwen3-style layers drafting a block in one
+    pass from the target's aux states, with the target's own embedding and LM head."""
+    block_size: int = _f(8, "tokens per block: the last accepted token and block_size - 1 masks, so at most "
+                            "block_size - 1 drafts per verification (eval.draft_steps is capped there)", ge=2)
+    layers: int = _f(1, "draft layers", ge=1)
+    anchors: int = _f(64, "blocks trained per sample (anchor positions drawn among the trained tokens)", ge=1)
+    mask_token_id: int = _f(-1, "the mask token's id (its embedding is the target's row); -1 = the vocab's last id",
+                            ge=-1)
+
+
+@dataclass
 class TrainConfig:
     ttt_steps: int = _f(7, "training-time-test unroll K", ge=1)
     loss_decay: float = _f(0.8, "weight of step k is decay**k", gt=0, le=1)
@@ -211,6 +223,10 @@ class TrainConfig:
                                      "draft KV cache is one latent per token (`make plan` prints both)",
                               choices=("gqa", "mla"))
     mla: TrainMLA = field(default_factory=TrainMLA)
+    drafter: str = _f("eagle3", "eagle3 | dflash: the drafter family. dflash = block drafting (train.dflash): one "
+                                "pass drafts block_size - 1 tokens; served by llama.cpp (--spec-type draft-dflash) "
+                                "and SGLang's DFlashDraftModel", choices=("eagle3", "dflash"))
+    dflash: TrainDFlash = field(default_factory=TrainDFlash)
     init_lm_head_from_target: bool = _f(True, "start lm_head (and norm) from the target's rows of the draft vocab")
     freeze_lm_head: bool = _f(False, "keep that lm_head fixed (fewer trainable parameters for small data)")
     wandb_mode: str = _f("offline", "offline | online | disabled", choices=('offline', 'online', 'disabled'))
@@ -226,6 +242,10 @@ class TrainConfig:
     kernels: TrainKernels = field(default_factory=TrainKernels)
 
     def __post_init__(self):
+        if self.drafter == "dflash" and (self.draft_attention != "gqa" or self.norm_before_fc or self.fc_norm
+                                         or self.norm_output or self.tau_every or self.kernels.pack_length):
+            raise UserError("train.drafter = dflash takes none of EAGLE-3's variants (draft_attention mla, "
+                            "norm_before_fc, fc_norm, norm_output), train.tau_every or train.kernels.pack_length")
         if self.draft_attention == "mla" and self.norm_before_fc:
             raise UserError("train.norm_before_fc with train.draft_attention = mla: SGLang 0.5.23's MLA draft class "
                             "(Eagle3DeepseekV2ForCausalLM) has no input norm; use train.fc_norm, or draft_attention gqa")

@@ -116,7 +116,7 @@ def _compact(cache: StaticCache, slots: list[int], start: int) -> None:
         layer.values[:, :, dst] = layer.values[:, :, src]
 
 
-def _emitted(candidates: list[int], stop_ids: list[int], budget: int) -> list[int]:
+def emitted_tokens(candidates: list[int], stop_ids: list[int], budget: int) -> list[int]:
     """The tokens a verification adds: up to and including the first stop id, at most `budget`."""
     for i, t in enumerate(candidates):
         if t in stop_ids:
@@ -179,7 +179,7 @@ def speculative_generate(model, drafter: Eagle3Drafter, prompt: list[int], max_n
             path, nxt = accept_tree(grown, logits.argmax(-1).tolist())
             _compact(cache, [m + 1 + i for i in path], m + 1)
             accepted, rows, n_drafts = [grown.tokens[i] for i in path], [0] + [1 + i for i in path], len(grown.tokens)
-        new = _emitted(accepted + [nxt], stop_ids, max_new_tokens - len(out))
+        new = emitted_tokens(accepted + [nxt], stop_ids, max_new_tokens - len(out))
         accept_lengths.append(len(new))
         drafted.append(n_drafts)
         out += new

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from core.atomic_io import atomic_write
+from core.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from core.drafter_config import GQA_ARCHITECTURE, read_norm_before_fc
 from core.errors import UserError
 
@@ -86,6 +87,8 @@ def convert_drafter(tree: Path, drafter_dir: Path, target_dir: Path, out: Path, 
     """An exported drafter -> the GGUF that `llama-server --spec-type draft-eagle3` loads. Refuses a GGUF
     whose norm_before_fc is not the drafter's (SGLang's reading): llama-server would serve another model."""
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    if config.get("architectures") == [DFLASH_ARCHITECTURE]:
+        return convert_dflash(tree, drafter_dir, config, target_dir, out, outtype)
     if config.get("architectures") != [GQA_ARCHITECTURE]:
         raise UserError(f"{drafter_dir}: a drafter of architecture {config.get('architectures')}; llama.cpp b11434's "
                         f"converter takes {GQA_ARCHITECTURE} drafters only (an MLA drafter serves in SGLang): train "
@@ -103,6 +106,18 @@ def convert_drafter(tree: Path, drafter_dir: Path, target_dir: Path, out: Path, 
     return gguf
 
 
+def convert_dflash(tree: Path, drafter_dir: Path, config: dict, target_dir: Path, out: Path, outtype: str) -> Path:
+    """A DFlash drafter -> the GGUF `llama-server --spec-type draft-dflash` loads (converter class DFlashModel:
+    the target's tokenizer from target_dir, the mask token id, block size and target layers as metadata).
+    Refuses a GGUF whose target layers are not the ones the drafter was trained on."""
+    gguf = convert_to_gguf(tree, drafter_dir, out, outtype, target_dir=target_dir)
+    want = [i + 1 for i in config["dflash_config"]["target_layer_ids"]]  # output of layer i = input of i + 1
+    if gguf_target_layers(gguf) != want:
+        raise UserError(f"{gguf}: llama.cpp's converter wrote target layers {gguf_target_layers(gguf)}, but "
+                        f"{drafter_dir} was trained on {want}")
+    return gguf
+
+
 def _eagle3_fields(path: Path) -> tuple[list[int] | None, bool, bool]:
     """-> (eagle3.target_layers or None, eagle3.norm_before_fc, whether enc.output_norm.weight is there),
     read once per file version: gguf-py's GGUFReader parses every key, the target's 49k tokens and 49k
@@ -117,7 +132,7 @@ def _read_eagle3_fields(path: str, _ino: int, _mtime_ns: int, _size: int) -> tup
     from core.gguf_checkpoint import _PlainArrayReader
 
     reader = _PlainArrayReader(path)
-    field = reader.get_field("eagle3.target_layers")
+    field = reader.get_field("eagle3.target_layers") or reader.get_field("dflash.target_layers")
     layers = None if field is None else [int(field.parts[i][0]) for i in field.data]
     field = reader.get_field("eagle3.norm_before_fc")
     flag = bool(field.parts[field.data[0]][0]) if field is not None else False
@@ -125,10 +140,11 @@ def _read_eagle3_fields(path: str, _ino: int, _mtime_ns: int, _size: int) -> tup
 
 
 def gguf_target_layers(path: Path) -> list[int]:
-    """The aux layers a converted drafter makes llama.cpp read (`eagle3.target_layers`), via gguf-py."""
+    """The aux layers a converted drafter makes llama.cpp read (`eagle3.target_layers` or `dflash.target_layers`:
+    layer inputs), via gguf-py."""
     layers, _, _ = _eagle3_fields(path)
     if layers is None:
-        raise UserError(f"{path}: no eagle3.target_layers key (not an EAGLE-3 drafter GGUF)")
+        raise UserError(f"{path}: no eagle3/dflash target_layers key (not a drafter GGUF)")
     return list(layers)
 
 

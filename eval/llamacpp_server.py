@@ -9,6 +9,7 @@ tokenizer would make of the text.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from typing import NamedTuple
 import httpx
 
 from core.cli import env_threads
+from core.dflash import is_dflash_dir
 from eval.llamacpp import LLAMACPP_BUILD, convert_drafter, convert_to_gguf, gguf_target_layers, llamacpp_tree
 from eval.spec_counters import PROMETHEUS_PREFIX, prometheus_spec_counters
 
@@ -80,6 +82,7 @@ class SpecDraft(NamedTuple):
     gguf: Path
     k: int = 5
     p_min: float = 0.0
+    spec_type: str = "draft-eagle3"  # or draft-dflash (a DFlash block drafter: one pass drafts all k)
 
 
 class LlamaServer:
@@ -98,7 +101,7 @@ class LlamaServer:
             # draft tokens sampled on the host, not in the drafter's graph: with several slots drafting at once,
             # b11434's in-graph sampling cut depth-1 acceptance from 0.45 to 0.17 (4 in flight, MT-Bench, the
             # seventh drafter); on the host it stays 0.45, and at 1 in flight τ and speed are the same either way
-            self.cmd += ["-md", str(draft.gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft.k),
+            self.cmd += ["-md", str(draft.gguf), "--spec-type", draft.spec_type, "--spec-draft-n-max", str(draft.k),
                          "--spec-draft-p-min", str(draft.p_min), "--no-spec-draft-backend-sampling"]
         self.cmd += list(extra_args)  # any other llama-server flags, e.g. ("-fa", "on")
         self.url = f"http://127.0.0.1:{self.port}"
@@ -197,10 +200,14 @@ def served_by_llamacpp(cfg, draft_dir: Path, work_dir: Path, parallel: int):
     target, convert_at = target_gguf_choice(ev.target_gguf, cfg.target.model, ev.target_outtype, ev.gguf_outtype)
     if target is None:
         target = convert_to_gguf(tree, target_dir, work_dir / f"target-{convert_at}.gguf", convert_at)
-    log.info("llama.cpp: target %s, drafter %s (aux layers %s), K=%d, p_min %g, %d slots", target, draft_gguf,
-             gguf_target_layers(draft_gguf), ev.draft_steps, ev.draft_p_min, parallel)
+    draft = SpecDraft(draft_gguf, ev.draft_steps, ev.draft_p_min)
+    if is_dflash_dir(draft_dir):  # one block of K masks per verification, K capped at block_size - 1 as ours is
+        block = json.loads((Path(draft_dir) / "config.json").read_text())["dflash_config"]["block_size"]
+        draft = draft._replace(k=min(ev.draft_steps, block - 1), spec_type="draft-dflash")
+    log.info("llama.cpp: target %s, drafter %s (%s, aux layers %s), K=%d, p_min %g, %d slots", target, draft_gguf,
+             draft.spec_type, gguf_target_layers(draft_gguf), draft.k, ev.draft_p_min, parallel)
     with (LlamaServer(binary, target, parallel=parallel) as base,
-          LlamaServer(binary, target, SpecDraft(draft_gguf, ev.draft_steps, ev.draft_p_min), parallel=parallel) as spec):
+          LlamaServer(binary, target, draft, parallel=parallel) as spec):
         yield base, spec
 
 

@@ -29,6 +29,7 @@ from core.chat import eval_prompt_ids
 from core.config import RunConfig, check_ranges, to_dict
 from core.cpu_linear import split_cpu_linears
 from core.decode import Sampling, generate
+from core.dflash import DFlashDrafter, dflash_generate, is_dflash_dir
 from core.draft_tree import TreeSpec
 from core.drafter import Eagle3Drafter
 from core.errors import UserError
@@ -53,7 +54,8 @@ ENGINES = ("hf", "llamacpp", "server")
 
 def add_eval_args(p) -> None:
     p.add_argument("--prompts", default=None, help="jsonl/json prompt file (MT-Bench, {prompt}, ShareGPT)")
-    p.add_argument("--draft", default=None, help="SGLang-format drafter dir (default <run>/drafter)")
+    p.add_argument("--draft", default=None, help="drafter dir: EAGLE-3 (SGLang or speculators format) or DFlash "
+                   "(default <run>/drafter)")
     p.add_argument("--out", default=None, help="report dir (default <run>/eval)")
     p.add_argument("--max-prompts", type=int, default=None, help="overrides eval.max_prompts")
     p.add_argument("--max-new-tokens", type=int, default=None, help="overrides eval.max_new_tokens")
@@ -85,12 +87,25 @@ def _timed(fn):
 
 
 def load_engine(cfg: RunConfig, draft_dir: Path):
-    """The target, its tokenizer, the drafter on the target's device and dtype, the stop ids."""
+    """The target, its tokenizer, the drafter (EAGLE-3 or DFlash) on the target's device and dtype, the stop ids."""
     model, tok = load_target(cfg)
-    info = target_info(cfg)
-    drafter = Eagle3Drafter.from_pretrained(Path(draft_dir), load_target_embeddings(cfg).embed, info.model_type,
-                                            info.num_layers).to(model.device, model.dtype).eval()
+    info, head = target_info(cfg), load_target_embeddings(cfg)
+    if is_dflash_dir(draft_dir):
+        drafter = DFlashDrafter.from_pretrained(Path(draft_dir), head.embed, head.lm_head, info.model_type,
+                                                info.num_layers)
+    else:
+        drafter = Eagle3Drafter.from_pretrained(Path(draft_dir), head.embed, info.model_type, info.num_layers)
+    drafter = drafter.to(model.device, model.dtype).eval()
     return model, tok, split_cpu_linears(drafter), end_of_turn_ids(tok, model.generation_config)
+
+
+def dflash_steps(drafter: DFlashDrafter, ev) -> int:
+    """eval.draft_steps for a DFlash drafter: capped at its block's block_size - 1 masks (llama.cpp caps it so
+    too); trees, sampling and p_min are EAGLE-3 chain modes."""
+    if ev.draft_tree or ev.temperature or ev.draft_p_min:
+        raise UserError("a DFlash drafter drafts one greedy block per verification: eval.draft_tree, "
+                        "eval.temperature and eval.draft_p_min do not apply")
+    return min(ev.draft_steps, drafter.config.block_size - 1)
 
 
 def hf_eval(cfg: RunConfig, items: list[tuple[str, list[int]]], draft_dir: Path) -> tuple[dict, list[dict]]:
@@ -103,9 +118,14 @@ def hf_eval(cfg: RunConfig, items: list[tuple[str, list[int]]], draft_dir: Path)
     g = torch.Generator(model.device).manual_seed(cfg.seed)
 
     drafting, sampling = Drafting(k, tree, ev.draft_p_min), Sampling(t, g)
+    if isinstance(drafter, DFlashDrafter):
+        k = dflash_steps(drafter, ev)
 
-    def spec(ids, budget):
-        return speculative_generate(model, drafter, ids, budget, stop, drafting, sampling)
+        def spec(ids, budget):
+            return dflash_generate(model, drafter, ids, budget, stop, k)
+    else:
+        def spec(ids, budget):
+            return speculative_generate(model, drafter, ids, budget, stop, drafting, sampling)
 
     # warm-up (allocator, kernels) kept out of the timings
     generate(model, [items[0][1]], 4, stop)

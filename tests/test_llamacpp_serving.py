@@ -11,7 +11,9 @@ accepted per prompt (its `timings.draft_n_accepted`) must equal ours on >= 90% o
 in total; measured: equal on 10 of 10. Reading the aux layers one off must break that (measured: 40
 accepted instead of 83). The same data trained with train.norm_before_fc=true (EAGLE-3.1: llama.cpp's
 eagle3 encoder applies enc.output_norm before fc) agrees the same way: measured equal on 10 of 10, 84
-accepted drafts in both engines (τ 2.25 ours)."""
+accepted drafts in both engines (τ 2.25 ours). A DFlash block drafter trained on the same shards (block 4, the
+target's own LM head, so it needs more steps: 80 epochs at lr 1e-2) agrees as well: measured equal on 10 of 10
+prompts, 81 accepted drafts in both engines (τ 2.19 ours)."""
 
 import json
 import shutil
@@ -65,6 +67,24 @@ def served_norm_before_fc(served, overfit_tiny, tmp_path_factory):
     return norm_run, json.loads((norm_run / "eval/report.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def served_dflash(served, overfit_tiny, tmp_path_factory):
+    """The overfit run's shards, a DFlash block drafter trained on them (block 4: 3 drafts a verification, K=3 as
+    the EAGLE-3 drafter), converted by llama.cpp's DFlashModel and served with --spec-type draft-dflash beside the
+    same target GGUF."""
+    _, run_dir, flags, prompts = overfit_tiny
+    dflash_run = tmp_path_factory.mktemp("dflash") / "run"
+    for stage_dir in ("conversations", "hidden"):
+        shutil.copytree(run_dir / stage_dir, dflash_run / stage_dir)
+    dflash_flags = [str(dflash_run) if f == str(run_dir) else f for f in flags] + [
+        "train.drafter=dflash", "train.dflash.block_size=4", "train.tau_every=0", "train.epochs=80", "train.lr=1e-2"]
+    run_stage("train", *dflash_flags)
+    target = served[1] / "eval/llamacpp/target-f32.gguf"
+    run_stage("eval", *dflash_flags, f"eval.target_gguf={target}", "--engine", "llamacpp", "--prompts", str(prompts),
+              "--concurrency", "1")
+    return dflash_run, json.loads((dflash_run / "eval/report.json").read_text())
+
+
 def test_llamacpp_accepts_what_our_engine_accepts(served):
     assert_engines_agree(served[3])
 
@@ -72,6 +92,17 @@ def test_llamacpp_accepts_what_our_engine_accepts(served):
 def test_llamacpp_accepts_what_our_engine_accepts_with_norm_before_fc(served_norm_before_fc):
     norm_run, report = served_norm_before_fc
     assert json.loads((norm_run / "drafter/config.json").read_text())["norm_before_fc"] is True
+    assert_engines_agree(report)
+
+
+def test_llamacpp_serves_a_dflash_drafter_as_our_engine_does(served_dflash):
+    """DFlash: llama.cpp's converter and --spec-type draft-dflash take our export (target layers as trained), its
+    outputs equal the base server's, and it accepts what our engine accepts block by block."""
+    dflash_run, report = served_dflash
+    config = json.loads((dflash_run / "drafter/config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["dflash_config"]["block_size"] == 4
+    assert gguf_target_layers(next((dflash_run / "eval/llamacpp").glob("drafter-*.gguf"))) == [1, 2, 3]
+    assert report["server"]["levels"][0]["outputs_equal"] == len(report["per_prompt"])
     assert_engines_agree(report)
 
 

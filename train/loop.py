@@ -26,6 +26,7 @@ from accelerate.utils import set_seed
 from core import trained_prompts
 from core.atomic_io import atomic_write_json, read_jsonl
 from core.config import RunConfig, TrainConfig, TrainKernels, to_dict
+from core.dflash import DFlashConfig, DFlashDrafter
 from core.drafter import DrafterConfig, Eagle3Drafter
 from core.drafter_config import DraftVariant
 from core.errors import UserError
@@ -43,6 +44,7 @@ from train.attention_check import check_merged_attention
 from train.checkpoint import load_checkpoint, read_latest, trim_logs
 from train.data import ShardSource, aux_rms
 from train.deepspeed_config import configure_deepspeed, full_state_dict, register_external_weights
+from train.dflash_loss import DFlashObjective
 from train.draft_vocab import (
     COUNTS_FILE,
     build_draft_vocab,
@@ -305,13 +307,17 @@ def check_weight_precision(kernels: TrainKernels, accelerator: Accelerator) -> N
 
 def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool) -> Path:
     tc = cfg.train
+    dflash = tc.drafter == "dflash"
     # the settings' checks, before any manifest is written: a corrected rerun needs no --fresh
-    check_draft_vocab_size(tc.draft_vocab_size, target_info(cfg).vocab_size)
     check_weight_precision(tc.kernels, accelerator)
-    dc = drafter_config(cfg, [], tc.draft_vocab_size)
-    options = step_options(tc.kernels, accelerator.device, dc)
-    if options.attention == "merged":  # its gradients against the dense path's, on this device
-        check_merged_attention(accelerator.device, mla=dc.mla is not None)
+    if dflash:
+        check_dflash_run(tc, accelerator)
+    else:
+        check_draft_vocab_size(tc.draft_vocab_size, target_info(cfg).vocab_size)
+        dc = drafter_config(cfg, [], tc.draft_vocab_size)
+        options = step_options(tc.kernels, accelerator.device, dc)
+        if options.attention == "merged":  # its gradients against the dense path's, on this device
+            check_merged_attention(accelerator.device, mla=dc.mla is not None)
     source = SOURCES[tc.source](cfg, accelerator.device)
     settings, runtime = open_run(cfg, accelerator, source, fresh)
     accelerator.wait_for_everyone()
@@ -319,13 +325,18 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     target = load_target_embeddings(cfg)
     prompts: set[str] = set()
     counts = token_counts(trained_prompts.collect(source.token_pairs(), prompts), target.embed.shape[0])
-    draft_ids, t2d, coverage = build_draft_vocab(counts, tc.draft_vocab_size)
+    # DFlash reads the target's own LM head: its "draft vocab" is the whole vocab
+    draft_ids, t2d, coverage = build_draft_vocab(counts, counts.numel() if dflash else tc.draft_vocab_size)
     log.info("%d samples / %d tokens (train.source=%s); draft vocab %d covers %.2f%% of assistant tokens",
              len(source.ids), source.num_tokens(), tc.source, draft_ids.numel(), 100 * coverage)
-    drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target)
-    head = ready_drafter(cfg, accelerator, drafter, source, target.lm_head[draft_ids], t2d)
+    if dflash:
+        drafter, head = build_dflash(cfg, accelerator, source, target)
+        objective = DFlashObjective(drafter, tc.loss_decay, tc.dflash.anchors, cfg.seed)
+    else:
+        drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target)
+        head = ready_drafter(cfg, accelerator, drafter, source, target.lm_head[draft_ids], t2d)
+        objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, options)
     ds = source.dataset(target, head.draft_head.dtype, tc.loss_on_prompt)
-    objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, options)
     opt = make_optimizer([p for p in objective.parameters() if p.requires_grad], tc)
     ckpt_root = train_dir / "checkpoints"
     latest = read_latest(accelerator, ckpt_root)
@@ -371,6 +382,34 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
         export_at(step)  # before end_training: ZeRO-3 gathers the weights over the process group it ends
     accelerator.end_training()
     return cfg.run_path / "drafter"
+
+
+def check_dflash_run(tc: TrainConfig, accelerator: Accelerator) -> None:
+    if accelerator.state.deepspeed_plugin is not None:
+        raise UserError("train.drafter = dflash under DeepSpeed: not supported yet; launch with plain Accelerate "
+                        "(scripts/accelerate/multi_gpu.yaml) or torchrun")
+    if tc.kernels.bf16_weights:
+        raise UserError("train.drafter = dflash with train.kernels.bf16_weights: not supported; set it to false")
+
+
+def build_dflash(cfg: RunConfig, accelerator: Accelerator, source, target: TargetHead):
+    """-> (the DFlash drafter, its teacher head: the target's whole LM head), its aux preconditioner from the data."""
+    tc, info = cfg.train, target_info(cfg)
+    mask_id = tc.dflash.mask_token_id if tc.dflash.mask_token_id >= 0 else info.vocab_size - 1
+    config = DFlashConfig.for_target(read_target_config(info.path), source.compat["aux_layers"], tc.dflash.layers,
+                                     tc.dflash.block_size, mask_id)
+    drafter = DFlashDrafter(config, target.embed, target.lm_head)
+    if target.final_norm is not None and tc.init_lm_head_from_target:  # the target's own final norm, as EAGLE's
+        with torch.no_grad():
+            drafter.norm.weight.copy_(target.final_norm)
+    raw_rms, fc_input_rms = aux_rms(source.aux_samples(), str(source.dir), None)
+    with torch.no_grad():
+        drafter.aux_scale.copy_(fc_input_rms)
+    matmul_dtype = torch.bfloat16 if autocast_of(accelerator) == "bf16" else torch.float32
+    device = accelerator.device
+    head = TeacherHead(target.lm_head.to(device, matmul_dtype), torch.ones(info.vocab_size, dtype=torch.bool,
+                                                                            device=device), raw_rms.to(device))
+    return drafter, head
 
 
 def ready_drafter(cfg: RunConfig, accelerator: Accelerator, drafter: Eagle3Drafter, source, draft_rows: torch.Tensor,
