@@ -265,14 +265,13 @@ class ContextCache:
         self.length += n
 
 
-def draft_block(drafter: DFlashDrafter, anchor: int, ctx: ContextCache, steps: int) -> list[int]:
-    """The block [anchor, mask x steps] at positions ctx.length.. (the anchor's own) -> `steps` greedy drafts,
-    slot j predicting the token j after the anchor (llama.cpp's block is as long: anchor + n_max masks)."""
+def draft_block(drafter: DFlashDrafter, anchor: int, ctx: ContextCache, steps: int) -> torch.Tensor:
+    """The block [anchor, mask x steps] at positions ctx.length.. (the anchor's own) -> logits [steps, V], slot j
+    predicting the token j after the anchor (llama.cpp's block is as long: anchor + n_max masks)."""
     c, device = drafter.config, drafter.fc.weight.device
     tokens = torch.tensor([[anchor] + [c.mask_token_id] * steps], device=device)
     positions = torch.arange(ctx.length, ctx.length + steps + 1, device=device)[None]
-    logits = drafter.block_logits(tokens, positions, ctx.kv)
-    return logits[0, 1:].argmax(-1).tolist()
+    return drafter.block_logits(tokens, positions, ctx.kv)[0, 1:]
 
 
 @torch.inference_mode()
@@ -292,7 +291,7 @@ def dflash_generate(model, drafter: DFlashDrafter, prompt: list[int], max_new_to
     ctx.append(aux)
     accept_lengths, drafted = [], []
     while out[-1] not in stop_ids and len(out) < max_new_tokens:
-        drafts = draft_block(drafter, out[-1], ctx, steps)[: max(0, max_new_tokens - len(out) - 1)]
+        drafts = draft_block(drafter, out[-1], ctx, steps).argmax(-1).tolist()[: max(0, max_new_tokens - len(out) - 1)]
         logits, aux = verify(model, cache, [out[-1], *drafts], m, aux_layers)
         verdict = logits.argmax(-1).tolist()
         a = next((j for j in range(len(drafts)) if drafts[j] != verdict[j]), len(drafts))

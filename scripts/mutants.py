@@ -23,7 +23,7 @@ and gradient clipping in the gradient, RoPE's direction, the norms' placement an
 in safetensors' words, V11-V13 reader locks and the gradient between TTT
 steps, B6-B9 EAGLE-3.1's fc_norm and norm_output, L1-L9 issue 51's MLA draft layer, Z1-Z6 issue 52's
 DeepSpeed runs, VL1-VL4 issue 53's vLLM exports, VX1-VX3 issue 56's
-stock vLLM extraction.
+stock vLLM extraction, DF1-DF4 issue 54's DFlash drafters.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class Mutant:
 ALIGN = ("tests/test_draft_alignment.py",)
 VLLM = "tests/test_vllm_export.py"
 VX = "tests/test_extract_vllm.py"
+DFL = "tests/test_dflash.py"
 RESUME = ("tests/test_resume.py",)
 WORLD = ("tests/test_resume.py::test_two_processes_stop_and_one_process_finishes_as_if_never_stopped",
          "tests/test_resume.py::test_one_process_stop_and_two_processes_finish_every_sample_once")
@@ -423,6 +424,20 @@ MUTANTS = [
     Mutant("VX3", "the vllm engine reads a file before its writer released the lock", "extract/vllm_client.py",
            "                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)\n                    break",
            "                    break", (VX + "::test_shards_equal_the_hf_engines_and_each_fault_is_named_not_written",)),
+    Mutant("DF1", "a DFlash training block sees its anchor's own context row (the engine has not run it yet)",
+           "train/dflash_loss.py", "ctx = torch.arange(context, device=anchors.device)[None] < anchors[owner][:, None]",
+           "ctx = torch.arange(context, device=anchors.device)[None] <= anchors[owner][:, None]",
+           (DFL + "::test_training_computes_the_block_the_engine_drafts",)),
+    Mutant("DF2", "the DFlash export leaves training's aux preconditioner out of fc", "core/dflash.py",
+           '        sd["fc.weight"] = sd["fc.weight"] / self.aux_scale.cpu()\n', "",
+           (DFL + "::test_the_export_is_what_the_engine_loads",)),
+    Mutant("DF3", "the DFlash export writes our input-of-layer ids as its output-of-layer target_layer_ids",
+           "core/dflash.py", '"target_layer_ids": [k - 1 for k in self.aux_layers]',
+           '"target_layer_ids": list(self.aux_layers)', (DFL + "::test_the_export_is_what_the_engine_loads",)),
+    Mutant("DF4", "the DFlash engine drafts from a block one position late", "core/dflash.py",
+           "    positions = torch.arange(ctx.length, ctx.length + steps + 1, device=device)[None]",
+           "    positions = torch.arange(ctx.length + 1, ctx.length + steps + 2, device=device)[None]",
+           (DFL + "::test_training_computes_the_block_the_engine_drafts",)),
     Mutant("VL1", "the speculators export leaves out the aux layer ids (vLLM captures its default layers)",
            "core/drafter_config.py", '            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),  # vLLM',
            "            # vLLM", (VLLM,)),

@@ -1,0 +1,120 @@
+"""DFlash block drafters (core/dflash.py, train/dflash_loss.py): what training computes for a block is what the
+engine computes when it drafts that block, decoding with one is lossless, and the export round-trips. llama.cpp
+serving the same drafter at our engine's acceptance: tests/test_llamacpp_serving.py."""
+
+import pytest
+import torch
+
+from core.config import load_config
+from core.decode import generate
+from core.dflash import ContextCache, DFlashConfig, DFlashDrafter, dflash_generate, draft_block
+from core.hidden_capture import extract_batch
+from core.target import load_target
+from tests.conftest import ROOT
+from train.dflash_loss import DFlashObjective, block_mask, draw_anchors
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, _ = load_target(load_config(ROOT / "configs/tiny-random-llama.yaml"))
+    return model
+
+
+def random_drafter(model, block: int = 5, layers: int = 2, seed: int = 0) -> DFlashDrafter:
+    c = model.config
+    torch.manual_seed(seed)
+    config = DFlashConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                          num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                          head_dim=c.hidden_size // c.num_attention_heads, num_hidden_layers=layers,
+                          vocab_size=c.vocab_size, target_hidden_size=c.hidden_size,
+                          target_num_layers=c.num_hidden_layers, block_size=block, mask_token_id=c.vocab_size - 1,
+                          aux_layers=[1, 2, 3], rope_theta=c.rope_parameters["rope_theta"])
+    d = DFlashDrafter(config, model.model.embed_tokens.weight, model.lm_head.weight)
+    for p in d.parameters():
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2 if p.dim() == 1 else 0.05)
+    d.aux_scale.copy_(torch.rand_like(d.aux_scale) + 0.5)
+    return d.eval()
+
+
+def test_training_computes_the_block_the_engine_drafts(tiny):
+    """For each anchor a, the training forward's block rows (block mask over the whole sample's context) give the
+    logits the engine's draft_block computes after position a (context = the states of positions < a only)."""
+    d = random_drafter(tiny)
+    ids = torch.randint(0, 1000, (20,)).tolist()
+    (_, aux, _), = extract_batch(tiny, [ids], d.config.aux_layers)
+    block, t = d.config.block_size, len(ids)
+    anchors = torch.tensor([1, 6, 13])
+    slots = anchors[:, None] + torch.arange(block)
+    tokens = torch.full_like(slots, d.config.mask_token_id)
+    tokens[:, 0] = torch.tensor(ids)[anchors]
+    with torch.no_grad():
+        ctx_kv = d.context_kv(d.context(aux[None]), torch.arange(t)[None])
+        trained = d.block_logits(tokens.flatten()[None], slots.flatten()[None], ctx_kv,
+                                 block_mask(anchors, t, block)[None, None])[0].view(3, block, -1)
+        for i, a in enumerate(anchors.tolist()):
+            ctx = ContextCache(d)
+            ctx.append(aux[None, :a])
+            torch.testing.assert_close(trained[i, 1:], draft_block(d, ids[a], ctx, block - 1), atol=1e-4, rtol=1e-4)
+
+
+def test_a_block_sees_no_context_at_or_after_its_anchor_and_all_of_its_block():
+    mask = block_mask(torch.tensor([2, 5]), 8, 3)
+    assert mask.shape == (6, 8 + 6)
+    assert mask[:3, :8].tolist() == [[True, True] + [False] * 6] * 3
+    assert mask[3:, :8].tolist() == [[True] * 5 + [False] * 3] * 3
+    assert mask[:3, 8:].tolist() == [[True] * 3 + [False] * 3] * 3 and mask[3:, 8:].tolist() == [[False] * 3 + [True] * 3] * 3
+
+
+def test_anchors_are_drawn_where_the_next_token_is_trained_on():
+    loss_mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 1, 1])
+    g = torch.Generator().manual_seed(0)
+    assert draw_anchors(loss_mask, 100, g).tolist() == [2, 3, 4, 7, 8]  # next token trained, a >= 1, a < T - 1
+    assert draw_anchors(loss_mask, 2, g).numel() == 2
+
+
+def test_the_loss_counts_only_trained_slots_and_learns(tiny):
+    """Slot j of the block at anchor a is counted iff token a + j is trained on and inside the sample; a few steps
+    on one sample lower the loss."""
+    d = random_drafter(tiny, block=4, layers=1)
+    ids = torch.randint(0, 1000, (1, 16))
+    (_, aux, final), = extract_batch(tiny, ids.tolist(), d.config.aux_layers)
+    loss_mask = torch.zeros(1, 16, dtype=torch.long)
+    loss_mask[0, 8:] = 1
+    p = torch.softmax(final @ tiny.lm_head.weight.T, -1)[None]
+    teacher = (p, p.argmax(-1), torch.ones(1, 16, dtype=torch.bool))
+    objective = DFlashObjective(d.train(), decay=0.8, anchors=64, seed=0)
+    loss0, sums = objective(aux[None], ids, loss_mask, teacher)
+    # anchors 7..14 (next token trained): slot j counts where a + j <= 15; slots 1, 2, 3 -> 8, 7, 6 rows
+    assert sums["count"].tolist() == [8.0, 7.0, 6.0]
+    opt = torch.optim.Adam([q for q in d.parameters() if q.requires_grad], lr=3e-3)
+    for _ in range(30):
+        loss, _ = objective(aux[None], ids, loss_mask, teacher)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.9 * loss0.item()
+
+
+def test_dflash_decoding_equals_greedy(tiny):
+    d = random_drafter(tiny)
+    for seed in range(3):
+        prompt = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+        greedy = generate(tiny, [prompt], 24, [])[0]
+        spec = dflash_generate(tiny, d, prompt, 24, [], steps=4)
+        assert spec.tokens == greedy.tokens and 1 + sum(spec.accept_lengths) == len(spec.tokens)
+        assert all(1 <= a <= 5 for a in spec.accept_lengths)
+
+
+def test_the_export_is_what_the_engine_loads(tiny, tmp_path):
+    """aux_scale folded into fc, bf16 weights, the target's embedding and head borrowed: the loaded drafter drafts
+    what the trained one drafts."""
+    d = random_drafter(tiny)
+    d.save_pretrained(tmp_path)
+    loaded = DFlashDrafter.from_pretrained(tmp_path, tiny.model.embed_tokens.weight, tiny.lm_head.weight, "llama",
+                                           tiny.config.num_hidden_layers)
+    aux = torch.randn(1, 9, 3 * tiny.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.context(aux), d.context(aux), atol=0.05, rtol=0.05)  # bf16 rounding
+    assert loaded.config == d.config
+    cfg = (tmp_path / "config.json").read_text()
+    assert '"target_layer_ids": [\n      0,\n      1,\n      2\n    ]' in cfg  # output of layer i = our input of i + 1
