@@ -23,7 +23,7 @@ and gradient clipping in the gradient, RoPE's direction, the norms' placement an
 in safetensors' words, V11-V13 reader locks and the gradient between TTT
 steps, B6-B9 EAGLE-3.1's fc_norm and norm_output, L1-L9 issue 51's MLA draft layer, Z1-Z6 issue 52's
 DeepSpeed runs, VL1-VL4 issue 53's vLLM exports, VX1-VX3 issue 56's
-stock vLLM extraction, DF1-DF4 issue 54's DFlash drafters.
+stock vLLM extraction, DF1-DF5 issue 54's DFlash drafters.
 """
 
 from __future__ import annotations
@@ -438,6 +438,10 @@ MUTANTS = [
            "    positions = torch.arange(ctx.length, ctx.length + steps + 1, device=device)[None]",
            "    positions = torch.arange(ctx.length + 1, ctx.length + steps + 2, device=device)[None]",
            (DFL + "::test_training_computes_the_block_the_engine_drafts",)),
+    Mutant("DF5", "the DFlash export leaves out hidden_norm (SGLang keeps its init without a word)", "core/dflash.py",
+           'for k, v in self.state_dict().items() if k != "aux_scale"}',
+           'for k, v in self.state_dict().items() if k != "aux_scale" and "hidden_norm" not in k}',
+           (DFL + "::test_sglang_loads_the_export_whole_and_captures_the_trained_layers",)),
     Mutant("VL1", "the speculators export leaves out the aux layer ids (vLLM captures its default layers)",
            "core/drafter_config.py", '            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),  # vLLM',
            "            # vLLM", (VLLM,)),

@@ -112,6 +112,20 @@ class SourceTree:
         Annotations are postponed (never evaluated), so only the names its body uses must exist."""
         return self._exec(rel_path, [self.method(rel_path, cls, name)], namespace)[name]
 
+    def compile_defs(self, rel_path: str, namespace: dict, skip: tuple[str, ...] = ()) -> dict:
+        """Every top-level function and class of a file (decorators kept), in order, into `namespace`, with the
+        module-level assignments the namespace can evaluate; the file's imports left out: the caller's namespace
+        stands in for them. -> namespace."""
+        for node in self.parse(rel_path).body:  # the module's constants first, those the namespace can evaluate
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                try:
+                    self._exec(rel_path, [node], namespace)
+                except (NameError, AttributeError):
+                    pass
+        nodes = [n for n in self.parse(rel_path).body
+                 if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name not in skip]
+        return self._exec(rel_path, nodes, namespace)
+
     def compile_class(self, rel_path: str, name: str, namespace: dict) -> type:
         """The real class, its class decorators dropped (a dataclass gets its decorator back from the caller),
         its bases and every name its body uses looked up in `namespace`: each method is the release's own code

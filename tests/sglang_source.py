@@ -482,3 +482,70 @@ def check_mla_drafter(tensors: dict[str, torch.Tensor], config: dict) -> list[st
     if result["hot_token_id"] is None:
         problems.append("d2t missing: SGLang gets no hot_token_id (draft->target id map)")
     return problems
+
+
+# ----------------------------------------------------------------------------- DFlash draft models
+DFLASH_FILE = "srt/models/dflash.py"
+DFLASH_UTILS_FILE = "srt/speculative/dflash_utils.py"
+
+
+def sglang_dflash_utils() -> dict:
+    """srt/speculative/dflash_utils.py's functions and classes (parse_dflash_draft_config and its helpers),
+    compiled from the source; only its kernels' imports are stood in (never called here)."""
+    import dataclasses
+    import logging
+    import typing
+    from numbers import Integral
+
+    ns = {"torch": torch, "dataclass": dataclasses.dataclass, "field": dataclasses.field, "Integral": Integral,
+          "logger": logging.getLogger("sglang-dflash-utils"), **{n: getattr(typing, n) for n in (
+              "Any", "List", "Optional", "Tuple")}, "Sequence": typing.Sequence}
+    return SGLANG.compile_defs(DFLASH_UTILS_FILE, ns)
+
+
+def build_sglang_dflash(config: dict):
+    """SGLang 0.5.23's DFlashDraftModel for a draft config.json, built by its real constructors (dflash.py:
+    DFlashDraftModel over DFlashDecoderLayer, DFlashAttention, DFlashMLP; the config parsed by the real
+    parse_dflash_draft_config) on stand-in parallel layers, tensor parallel 1 -> (model, load record)."""
+    import functools
+
+    from transformers import Qwen3Config
+
+    from tests.stand_in_layers import LoadRecord, SiluAndMul, stand_in_layers
+
+    record = LoadRecord()
+    utils = sglang_dflash_utils()
+
+    def default_weight_loader(param, loaded, *_):
+        assert param.size() == loaded.size(), f"loading {tuple(loaded.shape)} into {tuple(param.shape)}"
+        param.data.copy_(loaded)
+        record.copies.append(("<default>", None, loaded.data_ptr()))
+
+    ns = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "partial": functools.partial,
+          "Optional": Optional, "Iterable": Iterable, "Tuple": Tuple, "logger": utils["logger"], "_is_npu": False,
+          "get_parallel": lambda: types.SimpleNamespace(tp_size=1, tp_rank=0),
+          "get_rope": lambda *a, **k: torch.nn.Identity(), "RadixAttention": lambda *a, **k: torch.nn.Identity(),
+          "get_rope_config": lambda c: (getattr(c, "rope_theta", 10000.0), getattr(c, "rope_scaling", None)),
+          "AttentionType": types.SimpleNamespace(DECODER="decoder", ENCODER_ONLY="encoder_only"),
+          "SiluAndMul": SiluAndMul, "set_weight_attrs": lambda *a, **k: None, "default_weight_loader": default_weight_loader,
+          "get_compiler_backend": lambda: "inductor", "DraftParallelSpec": lambda **k: None,
+          "DraftTPExecution": types.SimpleNamespace(SINGLE_GROUP=None), **utils}
+    layers = stand_in_layers(record)
+    ns.update(layers, GemmaRMSNorm=layers["RMSNorm"], ColumnParallelLinear=layers["RowParallelLinear"])
+    SGLANG.compile_defs(DFLASH_FILE, ns)
+    return ns["DFlashDraftModel"](Qwen3Config(**{k: v for k, v in config.items() if k != "architectures"})), record
+
+
+def check_sglang_dflash_load(model, record, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Problems of the real DFlashDraftModel.load_weights with `tensors` ([] = none): a tensor it ignores (it drops
+    unknown names without a word), a parameter left unloaded (NaN), a misshapen shard (raised)."""
+    try:
+        model.load_weights(iter(tensors.items()))
+    except (ValueError, AssertionError) as e:
+        return [f"load_weights raised: {e}"]
+    consumed = {ptr for _, _, ptr in record.copies}
+    problems = [f"{name}: ignored by SGLang's load_weights" for name, t in tensors.items()
+                if t.data_ptr() not in consumed]
+    problems += [f"{name}: never loaded (stays uninitialised)" for name, p in model.named_parameters()
+                 if p.is_floating_point() and torch.isnan(p).any()]
+    return problems

@@ -1,9 +1,14 @@
 """DFlash block drafters (core/dflash.py, train/dflash_loss.py): what training computes for a block is what the
-engine computes when it drafts that block, decoding with one is lossless, and the export round-trips. llama.cpp
-serving the same drafter at our engine's acceptance: tests/test_llamacpp_serving.py."""
+engine computes when it drafts that block, decoding with one is lossless, the export round-trips, and SGLang
+0.5.23's own DFlash loader takes it whole. llama.cpp serving the same drafter at our engine's acceptance:
+tests/test_llamacpp_serving.py."""
+
+import json
+import types
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from core.config import load_config
 from core.decode import generate
@@ -11,6 +16,7 @@ from core.dflash import ContextCache, DFlashConfig, DFlashDrafter, dflash_genera
 from core.hidden_capture import extract_batch
 from core.target import load_target
 from tests.conftest import ROOT
+from tests.sglang_source import LLAMA_FILE, SGLANG, build_sglang_dflash, check_sglang_dflash_load
 from train.dflash_loss import DFlashObjective, block_mask, draw_anchors
 
 
@@ -118,3 +124,21 @@ def test_the_export_is_what_the_engine_loads(tiny, tmp_path):
     assert loaded.config == d.config
     cfg = (tmp_path / "config.json").read_text()
     assert '"target_layer_ids": [\n      0,\n      1,\n      2\n    ]' in cfg  # output of layer i = our input of i + 1
+
+
+def test_sglang_loads_the_export_whole_and_captures_the_trained_layers(tiny, tmp_path):
+    """SGLang 0.5.23's DFlashDraftModel, built by its real constructors from our config.json (parsed by its
+    parse_dflash_draft_config), takes every tensor of our export through its real load_weights (it drops unknown
+    names without a word: none may be dropped) and leaves no parameter unloaded; its Llama target's
+    set_dflash_layers_to_capture turns the checkpoint's output-of-layer ids into the aux layers we trained on."""
+    d = random_drafter(tiny)
+    d.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    model, record = build_sglang_dflash(config)
+    assert check_sglang_dflash_load(model, record, load_file(str(tmp_path / "model.safetensors"))) == []
+    parsed = model.draft_config
+    assert (parsed.block_size, parsed.mask_token_id, parsed.target_layer_ids) == (5, d.config.mask_token_id, [0, 1, 2])
+    capture = SGLANG.compile_function(LLAMA_FILE, "LlamaForCausalLM", "set_dflash_layers_to_capture", {})
+    target = types.SimpleNamespace(pp_group=types.SimpleNamespace(is_last_rank=True), model=types.SimpleNamespace())
+    capture(target, parsed.target_layer_ids)
+    assert target.model.layers_to_capture == d.config.aux_layers == [1, 2, 3]

@@ -32,6 +32,7 @@ from torch import nn
 
 from core.drafter_config import SPECULATORS_VERSION
 from tests.engine_source import SourceTree, cached_package
+from tests.stand_in_layers import LoadRecord, SiluAndMul, stand_in_layers
 
 VLLM_VERSION = "0.33.0"
 EAGLE3_FILE = "model_executor/models/llama_eagle3.py"
@@ -178,91 +179,6 @@ def vllm_llama_capture(hf_model, input_ids: torch.Tensor, layer_ids: Iterable[in
 
 
 # ----------------------------------------------------------------------------- the draft model's weights
-@dataclass
-class LoadRecord:
-    """What the stand-in weight loaders saw: (parameter, shard, source tensor id) per copy."""
-    copies: list = field(default_factory=list)
-
-    def loader(self, name: str, slices: dict):
-        """A weight_loader for parameter `name`: copies the tensor into the slice of its shard (None: whole),
-        refusing any other shape, as vLLM's loaders do for tensor parallel 1."""
-        def weight_loader(param, loaded, shard_id=None):
-            shard_id = shard_id if shard_id is not None else getattr(loaded, "shard_id", None)
-            rows = slices[shard_id]
-            target = param.data[rows]
-            if tuple(target.shape) != tuple(loaded.shape):
-                raise ValueError(f"{name}[{shard_id}]: checkpoint tensor {tuple(loaded.shape)}, vLLM builds "
-                                 f"{tuple(target.shape)}")
-            target.copy_(loaded)
-            self.copies.append((name, shard_id, loaded.data_ptr()))
-        return weight_loader
-
-
-def _stand_in_layers(record: LoadRecord) -> dict:
-    """vLLM's parallel layers as the draft classes call them (tensor parallel 1): their weights, NaN until a
-    loader fills them, their shard slices, and the forward a norm or projection computes."""
-    def param(module, name, rows, cols, slices):
-        shape = (rows,) if cols is None else (rows, cols)
-        module.weight = nn.Parameter(torch.full(shape, float("nan")), requires_grad=False)
-        module.weight.weight_loader = record.loader(name, slices)
-
-    def sliced(sizes: Mapping) -> dict:
-        ends = list(itertools.accumulate(sizes.values()))
-        return {k: slice(e - s, e) for (k, s), e in zip(sizes.items(), ends, strict=True)}
-
-    class Linear(nn.Module):
-        def __init__(self, input_size, output_size, bias=False, prefix="", return_bias=True, **_):
-            super().__init__()
-            assert not bias, f"{prefix}: a bias (our drafter has none)"
-            self.return_bias = return_bias
-            param(self, prefix + ".weight", output_size, input_size, {None: slice(None)})
-
-        def forward(self, x):
-            y = F.linear(x, self.weight)
-            return (y, None) if self.return_bias else y
-
-    class QKVParallelLinear(Linear):
-        def __init__(self, hidden_size, head_size, total_num_heads, total_num_kv_heads=None, bias=False,
-                     prefix="", **_):
-            nn.Module.__init__(self)
-            assert not bias, f"{prefix}: a bias (our drafter has none)"
-            kv = total_num_kv_heads or total_num_heads
-            sizes = {"q": total_num_heads * head_size, "k": kv * head_size, "v": kv * head_size}
-            self.return_bias = True
-            param(self, prefix + ".weight", sum(sizes.values()), hidden_size, sliced(sizes))
-
-    class MergedColumnParallelLinear(Linear):
-        def __init__(self, input_size, output_sizes, bias=False, prefix="", **_):
-            nn.Module.__init__(self)
-            assert not bias, f"{prefix}: a bias (our drafter has none)"
-            self.return_bias = True
-            param(self, prefix + ".weight", sum(output_sizes), input_size, sliced(dict(enumerate(output_sizes))))
-
-    class RMSNorm(nn.Module):
-        def __init__(self, hidden_size, eps=1e-6, **_):
-            super().__init__()
-            self.eps = eps
-            param(self, f"RMSNorm({hidden_size})", hidden_size, None, {None: slice(None)})
-
-        def forward(self, x, residual=None):  # vLLM's fused add: (norm(x + residual), x + residual)
-            if residual is not None:
-                x = x + residual
-            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-            return y if residual is None else (y, x)
-
-    class Embedding(nn.Module):
-        def __init__(self, num_embeddings, embedding_dim, prefix="", **_):
-            super().__init__()
-            param(self, prefix + ".weight", num_embeddings, embedding_dim, {None: slice(None)})
-
-        def forward(self, ids):
-            return F.embedding(ids, self.weight)
-
-    return {"QKVParallelLinear": QKVParallelLinear, "MergedColumnParallelLinear": MergedColumnParallelLinear,
-            "RowParallelLinear": Linear, "ReplicatedLinear": Linear, "RMSNorm": RMSNorm,
-            "VocabParallelEmbedding": Embedding, "ParallelLMHead": Embedding}
-
-
 def _add_real_loader(ns: dict, record: LoadRecord) -> None:
     """vLLM's WeightsMapper and AutoWeightsLoader (utils.py), compiled from the source into `ns`."""
     def default_weight_loader(param, loaded):
@@ -337,7 +253,7 @@ def _draft_namespace(hf_config, target_vocab_size: int, target_layers: int) -> t
                                               prefill_context_parallel_size=1),
         cache_config=None, quant_config=None)
     ns = {"torch": torch, "nn": nn, "getattr": getattr, "Mapping": Mapping, "Iterable": Iterable,
-          "Callable": Callable, "SiluAndMul": _SiluAndMul,
+          "Callable": Callable, "SiluAndMul": SiluAndMul,
           "logger": types.SimpleNamespace(debug=lambda *a: None, warning=lambda *a: None,
                                          warning_once=lambda *a: None, info=lambda *a: None),
           "AttentionType": types.SimpleNamespace(DECODER="decoder", ENCODER_ONLY="encoder_only"),
@@ -345,7 +261,7 @@ def _draft_namespace(hf_config, target_vocab_size: int, target_layers: int) -> t
           "get_current_vllm_config": lambda: vllm_config, "supports_any_eagle": lambda model: True,
           "LogitsProcessor": _LogitsProcessor,
           "maybe_fused_act_quant": lambda act_fn, x, linear: act_fn(x)}  # unquantised: the plain activation
-    ns.update(_stand_in_layers(record))
+    ns.update(stand_in_layers(record))
     _stand_in_attention(ns)
     _add_real_loader(ns, record)
     return ns, vllm_config, record
@@ -379,12 +295,6 @@ def build_vllm_eagle3_mla(hf_config, target_vocab_size: int, target_layers: int)
     for name in ("DeepseekV2Eagle3DecoderLayer", "DeepseekV2Eagle3Model", "Eagle3DeepseekV2ForCausalLM"):
         ns[name] = VLLM.compile_class(DEEPSEEK_EAGLE3_FILE, name, ns)
     return ns["Eagle3DeepseekV2ForCausalLM"](vllm_config=vllm_config, prefix=""), record
-
-
-class _SiluAndMul(nn.Module):
-    def forward(self, x):
-        gate, up = x.chunk(2, -1)
-        return F.silu(gate) * up
 
 
 class _LogitsProcessor:
