@@ -2,6 +2,7 @@
 
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -114,6 +115,18 @@ def wait_until(cond, what: str, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(0.01)
+
+
+def kill9_after_rows(args: list[str], index: Path, rows: int, timeout: float = 120.0) -> None:
+    """Start `python args...` in the repo, SIGKILL it once `index` (a stage's append-only index) holds `rows`
+    lines: a crash at a moment the stage did not choose."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while not (index.exists() and len(index.read_text().splitlines()) >= rows):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
 
 
 def holds_for(cond, what: str, seconds: float) -> None:

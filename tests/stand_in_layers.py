@@ -102,3 +102,19 @@ class SiluAndMul(nn.Module):
     def forward(self, x):
         gate, up = x.chunk(2, -1)
         return F.silu(gate) * up
+
+
+def load_problems(model, record: LoadRecord, tensors: dict[str, torch.Tensor], engine: str,
+                  unread: tuple[str, ...] = (), shared: tuple[str, ...] = ()) -> list[str]:
+    """Problems of the engine's real `model.load_weights(tensors)` on stand-in layers ([] = none): a tensor it drops
+    without a word (but those it never reads by design, `unread`), a parameter it leaves unloaded (NaN; but those it
+    takes from the target, `shared`), a misshapen shard (raised by the stand-in loaders)."""
+    try:
+        model.load_weights(iter(tensors.items()))
+    except (ValueError, AssertionError) as e:
+        return [f"load_weights raised: {e}"]
+    consumed = {ptr for _, _, ptr in record.copies}
+    problems = [f"{name}: dropped by {engine}'s load_weights" for name, t in tensors.items()
+                if name not in unread and t.data_ptr() not in consumed]
+    return problems + [f"{name}: never loaded (stays uninitialised)" for name, p in model.named_parameters()
+                       if name not in shared and p.is_floating_point() and torch.isnan(p).any()]

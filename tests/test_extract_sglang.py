@@ -5,7 +5,6 @@ layer ids checked against the real SGLang source."""
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from core.aux_layers import resolve_aux_layers
 from core.config import load_config
 from core.hidden_shards import HiddenShards
 from core.target import load_target, target_info
-from tests.conftest import ROOT, holds_for, run_stage, trained_next
+from tests.conftest import ROOT, holds_for, kill9_after_rows, run_stage, trained_next
 from tests.fake_sglang_server import FakeSGLangServer
 from tests.sglang_source import sglang_capture_layers, sglang_root
 
@@ -83,16 +82,9 @@ def test_rows_equal_hf_engine_and_mismatches_are_reported_not_written(served, co
 def test_kill9_client_then_rerun(served, conversations):
     run, model, aux = served
     with FakeSGLangServer(model, aux, run / "dumps") as server:
-        args = [sys.executable, "-m", "extract", "--engine", "sglang", "--server", server.url,  # the CLI flags
-                *sglang_flags(run, "unused", "extract.engine=hf", "extract.shard_mb=0", "extract.max_inflight=1")]
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        index = run / "hidden/index.jsonl"
-        deadline = time.time() + 120
-        while not (index.exists() and len(index.read_text().splitlines()) >= 6):
-            assert proc.poll() is None and time.time() < deadline
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kill9_after_rows(["-m", "extract", "--engine", "sglang", "--server", server.url,  # the CLI flags
+                          *sglang_flags(run, "unused", "extract.engine=hf", "extract.shard_mb=0", "extract.max_inflight=1")],
+                         run / "hidden/index.jsonl", 6)
         assert 6 <= len(HiddenShards(run / "hidden")) < 24
         run_stage("extract", *sglang_flags(run, server.url))
     ids = [line for line in (run / "hidden/index.jsonl").read_text().splitlines()]

@@ -6,10 +6,8 @@ request ids, lock, the layer-id convention of its Llama and DeepSeek/Kimi models
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from core.hidden_shards import HiddenShards
 from core.target import load_target
 from core.vllm_extract import AUX_OVER_PP, LAUNCH_FILE, refused_flags, vllm_layer_ids
 from extract.vllm_client import VLLMExtractor, final_norm
-from tests.conftest import ROOT, holds_for, run_stage
+from tests.conftest import ROOT, holds_for, kill9_after_rows, run_stage
 from tests.fake_vllm_server import FakeVLLMServer
 from tests.vllm_source import (
     CONNECTOR_FILE,
@@ -119,16 +117,9 @@ def test_a_lock_never_released_and_a_server_of_other_layers_are_one_line(served,
 def test_kill9_client_then_rerun(served, conversations):
     run, command, model = served
     with FakeVLLMServer(model, command) as server:
-        args = [sys.executable, "-m", "extract", "--engine", "vllm", "--server", server.url,  # the CLI flags
-                *vllm_flags(run, "unused", "extract.engine=hf", "extract.shard_mb=0", "extract.max_inflight=1")]
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        index = run / "hidden/index.jsonl"
-        deadline = time.time() + 120
-        while not (index.exists() and len(index.read_text().splitlines()) >= 6):
-            assert proc.poll() is None and time.time() < deadline
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kill9_after_rows(["-m", "extract", "--engine", "vllm", "--server", server.url,  # the CLI flags
+                          *vllm_flags(run, "unused", "extract.engine=hf", "extract.shard_mb=0", "extract.max_inflight=1")],
+                         run / "hidden/index.jsonl", 6)
         assert 6 <= len(HiddenShards(run / "hidden")) < 24
         run_stage("extract", *vllm_flags(run, server.url))
     assert len((run / "hidden/index.jsonl").read_text().splitlines()) == 24 == len(HiddenShards(run / "hidden"))

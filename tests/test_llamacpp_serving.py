@@ -81,7 +81,7 @@ def served_dflash(served, overfit_tiny, tmp_path_factory):
     run_stage("train", *dflash_flags)
     target = served[1] / "eval/llamacpp/target-f32.gguf"
     run_stage("eval", *dflash_flags, f"eval.target_gguf={target}", "--engine", "llamacpp", "--prompts", str(prompts),
-              "--concurrency", "1")
+              "--concurrency", "1,2")
     return dflash_run, json.loads((dflash_run / "eval/report.json").read_text())
 
 
@@ -104,6 +104,17 @@ def test_llamacpp_serves_a_dflash_drafter_as_our_engine_does(served_dflash):
     assert gguf_target_layers(next((dflash_run / "eval/llamacpp").glob("drafter-*.gguf"))) == [1, 2, 3]
     assert report["server"]["levels"][0]["outputs_equal"] == len(report["per_prompt"])
     assert_engines_agree(report)
+
+
+def test_eval_compare_puts_the_two_families_side_by_side(served, served_dflash, tmp_path):
+    eagle, dflash = served[1] / "eval", served_dflash[0] / "eval"
+    run_stage("eval", "compare", str(eagle), str(dflash), "--out", str(tmp_path))
+    table = (tmp_path / "compare.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith(f"| {eagle}") or line.startswith(f"| {dflash}")]
+    assert [row.split(" | ")[1] for row in rows] == ["EAGLE-3", "DFlash"]
+    assert "τ llama.cpp @1" in table and "τ llama.cpp @2" in table
+    wrong = run_stage("eval", "compare", str(eagle), str(served_dflash[0] / "train"), check=False)
+    assert wrong.returncode == 1 and "not an eval report" in wrong.stderr.splitlines()[-1]
 
 
 def assert_engines_agree(report: dict) -> None:

@@ -32,7 +32,7 @@ from torch import nn
 
 from core.drafter_config import SPECULATORS_VERSION
 from tests.engine_source import SourceTree, cached_package
-from tests.stand_in_layers import LoadRecord, SiluAndMul, stand_in_layers
+from tests.stand_in_layers import LoadRecord, SiluAndMul, load_problems, stand_in_layers
 
 VLLM_VERSION = "0.33.0"
 EAGLE3_FILE = "model_executor/models/llama_eagle3.py"
@@ -310,16 +310,10 @@ def check_vllm_load(model, record: LoadRecord, tensors: dict[str, torch.Tensor])
     a tensor it drops without a word, a parameter it leaves uninitialised (NaN here), a misshapen shard (raised
     by the stand-in loaders). vLLM shares the target's embedding when the checkpoint has none, and never reads
     t2d (its load_weights skips it)."""
-    try:
-        model.load_weights(iter(tensors.items()))
-    except (ValueError, AssertionError) as e:
-        return [f"load_weights raised: {e}"]
-    consumed = {ptr for _, _, ptr in record.copies}
-    problems = [f"{name}: dropped by vLLM's load_weights" for name, t in tensors.items()
-                if name != "t2d" and t.data_ptr() not in consumed]
-    shared = set() if getattr(model, "has_own_embed_tokens", False) else {"model.embed_tokens.weight"}
-    problems += [f"{name}: never loaded (stays uninitialised)" for name, p in model.named_parameters()
-                 if name not in shared and p.is_floating_point() and torch.isnan(p).any()]
+    problems = load_problems(model, record, tensors, "vLLM", unread=("t2d",),
+                             shared=("model.embed_tokens.weight",))
+    if getattr(model, "has_own_embed_tokens", False) and torch.isnan(model.model.embed_tokens.weight).any():
+        problems.append("model.embed_tokens.weight: never loaded (stays uninitialised)")
     if not getattr(model, "has_own_lm_head", False):
         problems.append("vLLM would use the target's lm_head: the checkpoint's was not seen")
     return problems

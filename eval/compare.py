@@ -1,0 +1,72 @@
+"""Drafters side by side: the reports of `python -m eval --engine llamacpp` runs of several drafters (an EAGLE-3 and
+a DFlash one, say) on the same target and prompts, as one table: τ and speedup in our engine, then τ and tokens/s in
+llama.cpp at each concurrency level.
+
+    python -m eval compare runs/a/eval runs/b/eval [--out DIR]      # -> DIR/compare.md (default: the first dir)
+
+Reports of another target, other prompts, token budget or concurrency levels are refused: their numbers would not compare.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core.atomic_io import atomic_write
+from core.errors import UserError
+
+SAME = ("target", "prompts", "max_new_tokens", "num_prompts")
+
+
+def load_reports(dirs: list[Path]) -> list[dict]:
+    reports = []
+    for d in dirs:
+        try:
+            reports.append(json.loads((Path(d) / "report.json").read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"{d}/report.json: not an eval report ({e})") from None
+    for d, r in zip(dirs, reports, strict=True):
+        if "hf_engine" not in r:
+            raise UserError(f"{d}/report.json: not an --engine llamacpp report (it has no llama.cpp levels beside our "
+                            "engine's)")
+        r["levels"] = [lv["concurrency"] for lv in r["server"]["levels"]]
+        differ = [k for k in (*SAME, "levels") if r.get(k) != reports[0].get(k)]
+        if differ:
+            raise UserError(f"{d}/report.json: {differ[0]} = {r.get(differ[0])!r}, but {dirs[0]}'s is "
+                            f"{reports[0].get(differ[0])!r}: only runs on the same target and prompts compare")
+    return reports
+
+
+def family(report: dict) -> str:
+    arch = (json.loads((Path(report["drafter"]) / "config.json").read_text()).get("architectures") or ["?"])[0] \
+        if (Path(report["drafter"]) / "config.json").is_file() else "?"
+    return "DFlash" if arch == "DFlashDraftModel" else "EAGLE-3"
+
+
+def compare_table(reports: list[dict], names: list[str]) -> str:
+    levels = [lv["concurrency"] for lv in reports[0]["server"]["levels"]]
+    head = ["drafter", "family", "K", "τ ours", "speedup ours"] + [
+        f"{what} @{c}" for c in levels for what in ("τ llama.cpp", "tok/s base → spec", "speedup")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in zip(names, reports, strict=True):
+        hf, cells = r["hf_engine"], []
+        for lv in r["server"]["levels"]:
+            cells += [f"{lv['acceptance_length']:.3f}",
+                      f"{lv['base']['tokens_per_s']:.1f} → {lv['spec']['tokens_per_s']:.1f}", f"**{lv['speedup']:.2f}x**"]
+        lines.append("| " + " | ".join([name, family(r), str(r["draft_steps"]),
+                                          f"**{hf['acceptance_length']:.3f}**", f"{hf['speedup']:.2f}x", *cells]) + " |")
+    r0 = reports[0]
+    return "\n".join([f"# Drafters side by side: {r0['target']}", "",
+                      f"{r0['num_prompts']} prompts ({r0['prompts']}) x ≤ {r0['max_new_tokens']} new tokens, greedy; "
+                      "τ = tokens per target verification; ours = our engine, batch 1; llama.cpp b11434 llama-server "
+                      "at each number of requests in flight (τ from its own counters).", "", *lines, ""])
+
+
+def main(dirs: list[str], out: str | None = None) -> Path:
+    if len(dirs) < 2:
+        raise UserError("eval compare: give two or more eval report dirs")
+    paths = [Path(d) for d in dirs]
+    table = compare_table(load_reports(paths), [str(p) for p in paths])
+    target = Path(out or paths[0]) / "compare.md"
+    atomic_write(target, lambda p: p.write_text(table))
+    return target
