@@ -45,7 +45,7 @@ def family(report: dict) -> str:
 
 def compare_table(reports: list[dict], names: list[str]) -> str:
     levels = [lv["concurrency"] for lv in reports[0]["server"]["levels"]]
-    head = ["drafter", "family", "K", "τ ours", "speedup ours"] + [
+    head = ["drafter", "family", "K", "τ ours", "tok/s ours base → spec", "speedup ours"] + [
         f"{what} @{c}" for c in levels for what in ("τ llama.cpp", "tok/s base → spec", "speedup")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in zip(names, reports, strict=True):
@@ -54,7 +54,9 @@ def compare_table(reports: list[dict], names: list[str]) -> str:
             cells += [f"{lv['acceptance_length']:.3f}",
                       f"{lv['base']['tokens_per_s']:.1f} → {lv['spec']['tokens_per_s']:.1f}", f"**{lv['speedup']:.2f}x**"]
         lines.append("| " + " | ".join([name, family(r), str(r["draft_steps"]),
-                                          f"**{hf['acceptance_length']:.3f}**", f"{hf['speedup']:.2f}x", *cells]) + " |")
+                                          f"**{hf['acceptance_length']:.3f}**",
+                                          f"{hf['tokens_per_s_baseline']:.1f} → {hf['tokens_per_s_spec']:.1f}",
+                                          f"{hf['speedup']:.2f}x", *cells]) + " |")
     r0 = reports[0]
     return "\n".join([f"# Drafters side by side: {r0['target']}", "",
                       f"{r0['num_prompts']} prompts ({r0['prompts']}) x ≤ {r0['max_new_tokens']} new tokens, greedy; "

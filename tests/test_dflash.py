@@ -4,6 +4,7 @@ engine computes when it drafts that block, decoding with one is lossless, the ex
 tests/test_llamacpp_serving.py."""
 
 import json
+import shutil
 import types
 
 import pytest
@@ -15,7 +16,7 @@ from core.decode import generate
 from core.dflash import ContextCache, DFlashConfig, DFlashDrafter, dflash_generate, draft_block
 from core.hidden_capture import extract_batch
 from core.target import load_target
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_stage
 from tests.sglang_source import LLAMA_FILE, SGLANG, build_sglang_dflash, check_sglang_dflash_load
 from train.dflash_loss import DFlashObjective, block_mask, draw_anchors
 
@@ -142,3 +143,23 @@ def test_sglang_loads_the_export_whole_and_captures_the_trained_layers(tiny, tmp
     target = types.SimpleNamespace(pp_group=types.SimpleNamespace(is_last_rank=True), model=types.SimpleNamespace())
     capture(target, parsed.target_layer_ids)
     assert target.model.layers_to_capture == d.config.aux_layers == [1, 2, 3]
+
+
+def test_a_stopped_dflash_run_resumes_to_the_uninterrupted_weights(tmp_path):
+    """train.stop_after, then a rerun: the same exported weights as one run straight through (anchors come from each
+    batch's own random stream, so the rerun draws what the uninterrupted run drew)."""
+    tiny = ["--config", "configs/tiny-random-llama.yaml"]
+    base = tmp_path / "data"
+    run_stage("data_gen", *tiny, "--run-dir", str(base), "data_gen.num_samples=8")
+    run_stage("extract", *tiny, "--run-dir", str(base), "extract.dtype=fp32")
+    train = ["train.drafter=dflash", "train.dflash.block_size=4", "train.epochs=2", "train.batch_size=2",
+             "train.wandb_mode=disabled", "train.mixed_precision=fp32"]
+    for name in ("straight", "stopped"):
+        for stage in ("conversations", "hidden"):
+            shutil.copytree(base / stage, tmp_path / name / stage)
+    run_stage("train", *tiny, "--run-dir", str(tmp_path / "straight"), *train)
+    run_stage("train", *tiny, "--run-dir", str(tmp_path / "stopped"), *train, "train.stop_after=3")
+    assert not (tmp_path / "stopped/drafter").exists()
+    run_stage("train", *tiny, "--run-dir", str(tmp_path / "stopped"), *train)
+    a, b = (load_file(str(tmp_path / name / "drafter/model.safetensors")) for name in ("straight", "stopped"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

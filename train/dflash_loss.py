@@ -1,6 +1,6 @@
 """DFlash's training objective (core/dflash.py), on the same batches and teacher as EAGLE-3's TTT.
 
-Per sample, up to `anchors` anchor positions a are drawn (seeded by run, epoch and batch) among those whose next
+Per sample, up to `anchors` anchor positions a are drawn (from the batch's own random stream) among those whose next
 token is trained on. Each anchor's block is [x_a, mask x (B-1)] at positions a .. a+B-1; its rows see the context
 features of the positions before a and every row of their own block, exactly the rows an engine feeds the draft
 when x_a is the last accepted token. Slot j (1..B-1) predicts the token at a+j: its teacher is the target's
@@ -43,9 +43,10 @@ class DFlashObjective(torch.nn.Module):
     def __init__(self, drafter: DFlashDrafter, decay: float, anchors: int, seed: int):
         super().__init__()
         self.drafter, self.decay, self.anchors, self.seed = drafter, decay, anchors, seed
-        self.calls = 0
 
-    def forward(self, aux, input_ids, loss_mask, teacher, doc_ids=None, positions=None):
+    def forward(self, aux, input_ids, loss_mask, teacher, doc_ids=None, positions=None, generator=None):
+        """`generator`: the batch's random stream (train/position.py's batch_generator: the same anchors for a batch
+        in whichever launch trains it, so a resumed run trains what the uninterrupted one does)."""
         if doc_ids is not None:
             raise ValueError("DFlash trains on right-padded rows (train.kernels.pack_length = 0)")
         d, block = self.drafter, self.drafter.config.block_size
@@ -53,8 +54,7 @@ class DFlashObjective(torch.nn.Module):
         steps = block - 1
         sums = {k: aux.new_zeros(steps, dtype=torch.float32) for k in ("loss_sum", "correct", "count")}
         weights = self.decay ** torch.arange(steps, device=aux.device, dtype=torch.float32)
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.calls)
-        self.calls += 1
+        generator = generator if generator is not None else torch.Generator().manual_seed(self.seed)
         total = aux.new_zeros((), dtype=torch.float32)
         for b in range(aux.shape[0]):
             t = input_ids.shape[1]  # padding: loss mask 0, never an anchor or a counted slot, after every anchor

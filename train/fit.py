@@ -81,7 +81,8 @@ def batch_loss(f: Fit, batch: dict, epoch: int, index: int, step: int):
     mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
     doc_ids, positions = batch.get("doc_ids"), batch.get("positions")  # packed rows only
     teacher = teacher_targets(batch["final"], mask, draft_head, t2d, batch["argmax"], doc_ids)
-    loss, m = f.objective(batch["aux"], batch["input_ids"], mask, teacher, doc_ids, positions)
+    draws = batch_generator(f.cfg.seed, epoch, index, torch.device("cpu"))  # DFlash's anchors: a resume redraws them
+    loss, m = f.objective(batch["aux"], batch["input_ids"], mask, teacher, doc_ids, positions, generator=draws)
     stop_if_not_finite(loss, "loss", step + 1, epoch, batch["ids"], f.source)
     return loss, m
 

@@ -283,6 +283,7 @@ class TTTObjective(torch.nn.Module):
         super().__init__()
         self.drafter, self.steps, self.decay, self.options = drafter, steps, decay, options
 
-    def forward(self, aux, input_ids, loss_mask, teacher, doc_ids=None, positions=None):
+    def forward(self, aux, input_ids, loss_mask, teacher, doc_ids=None, positions=None, generator=None):
+        """`generator`: the batch's random stream, which the TTT step draws nothing from (DFlash's draws anchors)."""
         return ttt_loss(self.drafter, Rows(aux, input_ids, loss_mask, doc_ids, positions), teacher, self.steps,
                         self.decay, self.options)
