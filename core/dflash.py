@@ -193,7 +193,7 @@ class DFlashDrafter(nn.Module):
         x = self.embed[tokens]
         for layer, kv in zip(self.layers, ctx_kv, strict=True):
             x = layer(x, positions, kv, mask)
-        return self.norm(x) @ self.lm_head.T.to(x.dtype)
+        return F.linear(self.norm(x), self.lm_head)
 
     # ---- checkpoint (llama.cpp's DFlashModel converter, SGLang's DFlashDraftModel) -------------------------
     def export_state_dict(self) -> dict[str, torch.Tensor]:

@@ -81,7 +81,7 @@ def test_kill9_at_random_moments_then_rerun_loses_and_duplicates_nothing(tmp_pat
     with FakeOpenAIServer(fault_rate=0.3, seed=2, latency=0.05, slow_seconds=1.0) as server:
         args = ["data_gen", "--config", "configs/smollm2-135m-instruct.yaml", *flags(tmp_path, server.url, prompts)]
         killed_mid_run = 0
-        for _ in range(5):
+        for _ in range(3):
             proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True)
             for line in proc.stderr:  # wait until it is generating, then kill at a random moment
                 if "to generate" in line:
@@ -90,7 +90,7 @@ def test_kill9_at_random_moments_then_rerun_loses_and_duplicates_nothing(tmp_pat
             killed_mid_run += proc.poll() is None
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-        assert killed_mid_run >= 3
+        assert killed_mid_run >= 2
         parts_before = sorted(p.name for p in (tmp_path / "run/conversations").glob("part-*.parquet"))
         assert parts_before, "no part was committed before the kills"
         # a part cut short by a kill, for certain (the random kills above may or may not leave one)

@@ -406,7 +406,8 @@ def build_dflash(cfg: RunConfig, accelerator: Accelerator, source, target: Targe
     with torch.no_grad():
         drafter.aux_scale.copy_(fc_input_rms)
     matmul_dtype = torch.bfloat16 if autocast_of(accelerator) == "bf16" else torch.float32
-    device = accelerator.device
+    drafter.embed, drafter.lm_head = drafter.embed.to(matmul_dtype), drafter.lm_head.to(matmul_dtype)  # frozen: no
+    device = accelerator.device  # fp32 copy to cast on every step under bf16
     head = TeacherHead(target.lm_head.to(device, matmul_dtype), torch.ones(info.vocab_size, dtype=torch.bool,
                                                                             device=device), raw_rms.to(device))
     return drafter, head
