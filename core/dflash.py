@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from core.atomic_io import atomic_write, atomic_write_json
+from core.atomic_io import atomic_write_json
 from core.decode import Generation, new_cache, prefill, verify
-from core.drafter import MLP, RMSNorm, apply_rope
+from core.drafter import MLP, RMSNorm, apply_rope, write_weights
 from core.errors import UserError
 from core.speculative import emitted_tokens
 
@@ -203,15 +203,7 @@ class DFlashDrafter(nn.Module):
 
     def save_pretrained(self, out_dir: Path) -> None:
         out_dir = Path(out_dir)
-        sd = self.export_state_dict()
-        for name, w in sd.items():
-            if not torch.isfinite(w).all():
-                raise UserError(f"refusing to export {out_dir}: {name} has {int((~torch.isfinite(w)).sum())} "
-                                "non-finite values (training diverged: lower train.lr or check the data)")
-            if w.numel() == 0:
-                raise UserError(f"refusing to export {out_dir}: {name} is empty, not the drafter's weights")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(out_dir / "model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
+        write_weights(out_dir, self.export_state_dict())
         atomic_write_json(out_dir / "config.json", self.config.to_hf())
         atomic_write_json(out_dir / "dflash_drafter.json", asdict(self.config))
 

@@ -284,15 +284,7 @@ class Eagle3Drafter(nn.Module):
 
     def save_pretrained(self, out_dir: Path) -> None:
         out_dir = Path(out_dir)
-        sd = self.export_state_dict()
-        for name, w in sd.items():  # a NaN drafter loads everywhere and drafts garbage: never write one
-            if w.is_floating_point() and not torch.isfinite(w).all():
-                raise UserError(f"refusing to export {out_dir}: {name} has {int((~torch.isfinite(w)).sum())} "
-                                "non-finite values (training diverged: lower train.lr or check the data)")
-            if w.numel() == 0:  # e.g. a ZeRO-3 rank's partition where the gathered weights belong
-                raise UserError(f"refusing to export {out_dir}: {name} is empty, not the drafter's weights")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(out_dir / "model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
+        write_weights(out_dir, self.export_state_dict())
         atomic_write_json(out_dir / "config.json", self.config.to_sglang())
         atomic_write_json(out_dir / "eagle3_drafter.json", asdict(self.config))
 
@@ -365,3 +357,17 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:  # another filesystem, or one without hard links
         shutil.copyfile(src, dst)
+
+
+def write_weights(out_dir: Path, sd: dict[str, torch.Tensor]) -> None:
+    """<out_dir>/model.safetensors, atomically, after the checks every drafter export owes: a NaN drafter loads
+    everywhere and drafts garbage, an empty weight (a ZeRO-3 rank's partition where the gathered weights belong)
+    is not the drafter's; either is refused, nothing written."""
+    for name, w in sd.items():
+        if w.is_floating_point() and not torch.isfinite(w).all():
+            raise UserError(f"refusing to export {out_dir}: {name} has {int((~torch.isfinite(w)).sum())} "
+                            "non-finite values (training diverged: lower train.lr or check the data)")
+        if w.numel() == 0:
+            raise UserError(f"refusing to export {out_dir}: {name} is empty, not the drafter's weights")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_dir / "model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from core.atomic_io import atomic_write
+from core.dflash import is_dflash_dir
 from core.errors import UserError
 
 SAME = ("target", "prompts", "max_new_tokens", "num_prompts")
@@ -38,9 +39,7 @@ def load_reports(dirs: list[Path]) -> list[dict]:
 
 
 def family(report: dict) -> str:
-    arch = (json.loads((Path(report["drafter"]) / "config.json").read_text()).get("architectures") or ["?"])[0] \
-        if (Path(report["drafter"]) / "config.json").is_file() else "?"
-    return "DFlash" if arch == "DFlashDraftModel" else "EAGLE-3"
+    return "DFlash" if is_dflash_dir(Path(report["drafter"])) else "EAGLE-3"
 
 
 def compare_table(reports: list[dict], names: list[str]) -> str:
