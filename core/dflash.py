@@ -36,6 +36,7 @@ from torch import nn
 from core.atomic_io import atomic_write_json
 from core.decode import Generation, new_cache, prefill, verify
 from core.drafter import MLP, RMSNorm, apply_rope, write_weights
+from core.drafter_config import target_layer_shape
 from core.errors import UserError
 from core.speculative import emitted_tokens
 
@@ -64,19 +65,14 @@ class DFlashConfig:
     @classmethod
     def for_target(cls, tc: dict, aux_layers: list[int], layers: int, block_size: int, mask_token_id: int) -> DFlashConfig:
         """The drafter train builds for a target (core.target.read_target_config): its width, heads and MLP."""
-        hidden, heads = tc["hidden_size"], tc["num_attention_heads"]
-        rope = tc.get("rope_parameters") or {}
         if not 0 <= mask_token_id < tc["vocab_size"]:
             raise UserError(f"train.dflash.mask_token_id = {mask_token_id}: outside the target's vocab of "
                             f"{tc['vocab_size']}")
-        return cls(hidden_size=hidden, intermediate_size=tc["intermediate_size"], num_attention_heads=heads,
-                   num_key_value_heads=tc.get("num_key_value_heads") or heads,
-                   head_dim=tc.get("head_dim") or hidden // heads, num_hidden_layers=layers,
-                   vocab_size=tc["vocab_size"], target_hidden_size=hidden, target_num_layers=tc["num_hidden_layers"],
+        shape = target_layer_shape(tc)
+        return cls(**shape, num_hidden_layers=layers, vocab_size=tc["vocab_size"],
+                   target_hidden_size=shape["hidden_size"], target_num_layers=tc["num_hidden_layers"],
                    block_size=block_size, mask_token_id=mask_token_id, aux_layers=list(aux_layers),
-                   target_model_type=tc["model_type"], rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
-                   rope_theta=float(rope.get("rope_theta") or tc.get("rope_theta") or 10000.0),
-                   max_position_embeddings=tc.get("max_position_embeddings", 4096))
+                   target_model_type=tc["model_type"], rms_norm_eps=tc.get("rms_norm_eps", 1e-6))
 
     def to_hf(self) -> dict:
         """config.json as llama.cpp's converter (DFlashModel) and SGLang's DFlashDraftModel read it."""

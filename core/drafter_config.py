@@ -103,17 +103,11 @@ class DrafterConfig:
                    variant: DraftVariant = PLAIN_EAGLE3) -> DrafterConfig:
         """The drafter train builds for a target: one layer of the target's width, heads and MLP (tc =
         core.target.read_target_config: a MoE target's dense MLP width), Llama GQA or MLA."""
-        hidden, heads = tc["hidden_size"], tc["num_attention_heads"]
-        rope = tc.get("rope_parameters") or {}
+        shape = target_layer_shape(tc)
         return cls(
-            hidden_size=hidden, intermediate_size=tc["intermediate_size"], num_attention_heads=heads,
-            num_key_value_heads=tc.get("num_key_value_heads") or heads,
-            head_dim=tc.get("head_dim") or hidden // heads,  # MLA targets (Kimi) have none: 7168 / 64 = 112
-            vocab_size=tc["vocab_size"], draft_vocab_size=draft_vocab_size, target_hidden_size=hidden,
-            aux_layers=list(aux_layers), target_model_type=tc["model_type"],
-            rms_norm_eps=tc.get("rms_norm_eps", 1e-5),
-            rope_theta=float(rope.get("rope_theta") or tc.get("rope_theta") or 10000.0),
-            max_position_embeddings=tc.get("max_position_embeddings", 4096), hidden_act=tc.get("hidden_act", "silu"),
+            **shape, vocab_size=tc["vocab_size"], draft_vocab_size=draft_vocab_size,
+            target_hidden_size=shape["hidden_size"], aux_layers=list(aux_layers), target_model_type=tc["model_type"],
+            rms_norm_eps=tc.get("rms_norm_eps", 1e-5), hidden_act=tc.get("hidden_act", "silu"),
             norm_before_fc=variant.norm_before_fc, fc_norm=variant.fc_norm, norm_output=variant.norm_output,
             mla=variant.mla)
 
@@ -245,6 +239,18 @@ class DrafterConfig:
             hidden_act=cfg.get("hidden_act", "silu"), norm_before_fc=norm_before_fc,
             fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm")), norm_output=bool(cfg.get("norm_output")),
             mla=mla)
+
+
+def target_layer_shape(tc: dict) -> dict:
+    """A draft layer of the target's own shape (core.target.read_target_config: a MoE target's dense MLP width):
+    width, MLP, heads, head dim, RoPE base and context, as both drafter families build it."""
+    hidden, heads = tc["hidden_size"], tc["num_attention_heads"]
+    rope = tc.get("rope_parameters") or {}
+    return {"hidden_size": hidden, "intermediate_size": tc["intermediate_size"], "num_attention_heads": heads,
+            "num_key_value_heads": tc.get("num_key_value_heads") or heads,
+            "head_dim": tc.get("head_dim") or hidden // heads,  # MLA targets (Kimi) have none: 7168 / 64 = 112
+            "rope_theta": float(rope.get("rope_theta") or tc.get("rope_theta") or 10000.0),
+            "max_position_embeddings": tc.get("max_position_embeddings", 4096)}
 
 
 class Verifier(NamedTuple):
