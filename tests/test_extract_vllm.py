@@ -162,19 +162,26 @@ def test_the_double_speaks_vllms_connector_and_answer_contract():
     assert "fcntl.flock(lf, fcntl.LOCK_SH)" in VLLM.method_text(CONNECTOR_FILE, None, "load_hidden_states")
 
 
+def assert_captures_the_aux_layers_and_final(model, capture) -> None:
+    """vLLM's capture loop `capture` over the 6-layer transformers `model`, given vllm_layer_ids([1, 3, 4], 6):
+    hidden_states[k] for each aux layer k, and the last layer's output, whose final norm is hidden_states[-1]."""
+    ids = torch.randint(0, 50, (1, 9))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    got = capture(model, ids, vllm_layer_ids([1, 3, 4], 6))
+    for k, state in zip([1, 3, 4], got, strict=False):
+        torch.testing.assert_close(state, hs[k][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final_norm(got[3], model.model.norm.weight, model.config.rms_norm_eps), hs[-1][0],
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_vllm_layer_ids_capture_our_aux_layers_and_final_on_llama():
     """vLLM's own Llama capture loop, given vllm_layer_ids, returns hidden_states[k] for each aux layer and the
     last layer's output, whose final norm is the hf engine's `final`."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                          num_key_value_heads=2, num_hidden_layers=6, vocab_size=50)).eval()
-    ids = torch.randint(0, 50, (1, 9))
-    with torch.no_grad():
-        hs = model(ids, output_hidden_states=True).hidden_states
-    got = vllm_llama_capture(model, ids, vllm_layer_ids([1, 3, 4], 6))
-    for k, state in zip([1, 3, 4], got, strict=False):
-        torch.testing.assert_close(state, hs[k][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(final_norm(got[3], model.model.norm.weight, 1e-6), hs[-1][0], atol=1e-5, rtol=1e-5)
+    assert_captures_the_aux_layers_and_final(model, vllm_llama_capture)
     assert "supports_aux_hidden_states_over_pp = True" in VLLM.text(LLAMA_FILE) and "llama" in AUX_OVER_PP
 
 
@@ -187,14 +194,7 @@ def test_vllm_layer_ids_capture_our_aux_layers_and_final_on_deepseek_as_kimi_run
                            topk_group=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
                            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, vocab_size=50)
     model = DeepseekV3ForCausalLM(cfg).eval()
-    ids = torch.randint(0, 50, (1, 9))
-    with torch.no_grad():
-        hs = model(ids, output_hidden_states=True).hidden_states
-    got = vllm_deepseek_capture(model, ids, vllm_layer_ids([1, 3, 4], 6))
-    for k, state in zip([1, 3, 4], got, strict=False):
-        torch.testing.assert_close(state, hs[k][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(final_norm(got[3], model.model.norm.weight, cfg.rms_norm_eps), hs[-1][0],
-                               atol=1e-5, rtol=1e-5)
+    assert_captures_the_aux_layers_and_final(model, vllm_deepseek_capture)
     # no aux states across pipeline stages in deepseek_v2.py, so -pp > 1 is refused for Kimi
     deepseek_model = VLLM.cls(DEEPSEEK_FILE, "DeepseekV2Model")
     assert "supports_aux_hidden_states_over_pp" not in {getattr(t, "id", None) for n in deepseek_model.body
