@@ -184,12 +184,17 @@ class DFlashDrafter(nn.Module):
         """Each layer's K/V of the context rows [B,C,H] at positions [B,C]."""
         return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
 
-    def block_logits(self, tokens: torch.Tensor, positions: torch.Tensor, ctx_kv, mask=None) -> torch.Tensor:
-        """Block rows (tokens [B,Q] at positions [B,Q]) over the context K/V -> logits [B,Q,V]."""
+    def block_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, ctx_kv, mask=None) -> torch.Tensor:
+        """Block rows (tokens [B,Q] at positions [B,Q]) over the context K/V -> the normed states [B,Q,H] the LM head
+        reads (training sends it only the rows it counts)."""
         x = self.embed[tokens]
         for layer, kv in zip(self.layers, ctx_kv, strict=True):
             x = layer(x, positions, kv, mask)
-        return F.linear(self.norm(x), self.lm_head)
+        return self.norm(x)
+
+    def block_logits(self, tokens: torch.Tensor, positions: torch.Tensor, ctx_kv, mask=None) -> torch.Tensor:
+        """-> logits [B,Q,V] of every block row."""
+        return F.linear(self.block_hidden(tokens, positions, ctx_kv, mask), self.lm_head)
 
     # ---- checkpoint (llama.cpp's DFlashModel converter, SGLang's DFlashDraftModel) -------------------------
     def export_state_dict(self) -> dict[str, torch.Tensor]:

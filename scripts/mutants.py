@@ -23,7 +23,7 @@ and gradient clipping in the gradient, RoPE's direction, the norms' placement an
 in safetensors' words, V11-V13 reader locks and the gradient between TTT
 steps, B6-B9 EAGLE-3.1's fc_norm and norm_output, L1-L9 issue 51's MLA draft layer, Z1-Z6 issue 52's
 DeepSpeed runs, VL1-VL4 issue 53's vLLM exports, VX1-VX3 issue 56's
-stock vLLM extraction, DF1-DF5 issue 54's DFlash drafters.
+stock vLLM extraction, DF1-DF6 issue 54's DFlash drafters.
 """
 
 from __future__ import annotations
@@ -443,6 +443,9 @@ MUTANTS = [
            'for k, v in self.state_dict().items() if k != "aux_scale"}',
            'for k, v in self.state_dict().items() if k != "aux_scale" and "hidden_norm" not in k}',
            (DFL + "::test_sglang_loads_the_export_whole_and_captures_the_trained_layers",)),
+    Mutant("DF6", "DFlash's batched loss counts the padding blocks of a sample with fewer anchors", "train/dflash_loss.py",
+           "counted = real[..., None] & (target < t)", "counted = (target < t)",
+           (DFL + "::test_a_batch_trains_what_its_samples_train_alone",)),
     Mutant("VL1", "the speculators export leaves out the aux layer ids (vLLM captures its default layers)",
            "core/drafter_config.py", '            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),  # vLLM',
            "            # vLLM", (VLLM,)),

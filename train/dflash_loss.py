@@ -29,12 +29,13 @@ def draw_anchors(loss_mask: torch.Tensor, anchors: int, generator: torch.Generat
 
 
 def block_mask(anchors: torch.Tensor, context: int, block: int) -> torch.Tensor:
-    """[A·B, C + A·B] True where visible: block i's rows see context positions < anchors[i] and all of block i."""
-    q = anchors.numel() * block
+    """anchors [..., A] -> [..., A·B, C + A·B] True where visible: block i's rows see context positions < its anchor
+    and all of block i."""
+    q = anchors.shape[-1] * block
     owner = torch.arange(q, device=anchors.device) // block
-    ctx = torch.arange(context, device=anchors.device)[None] < anchors[owner][:, None]
-    own = owner[:, None] == owner[None]
-    return torch.cat([ctx, own], 1)
+    ctx = torch.arange(context, device=anchors.device) < anchors[..., owner, None]
+    own = (owner[:, None] == owner[None]).expand(*anchors.shape[:-1], q, q)
+    return torch.cat([ctx, own], -1)
 
 
 class DFlashObjective(torch.nn.Module):
@@ -46,39 +47,38 @@ class DFlashObjective(torch.nn.Module):
 
     def forward(self, aux, input_ids, loss_mask, teacher, doc_ids=None, positions=None, generator=None):
         """`generator`: the batch's random stream (train/position.py's batch_generator: the same anchors for a batch
-        in whichever launch trains it, so a resumed run trains what the uninterrupted one does)."""
+        in whichever launch trains it, so a resumed run trains what the uninterrupted one does). One forward for
+        the whole batch: each sample's blocks, padded to the batch's most anchors (a padded block counts nowhere)."""
         if doc_ids is not None:
             raise ValueError("DFlash trains on right-padded rows (train.kernels.pack_length = 0)")
         d, block = self.drafter, self.drafter.config.block_size
-        p, top, _ = teacher
-        steps = block - 1
-        sums = {k: aux.new_zeros(steps, dtype=torch.float32) for k in ("loss_sum", "correct", "count")}
-        weights = self.decay ** torch.arange(steps, device=aux.device, dtype=torch.float32)
+        (n, t), dev = input_ids.shape, aux.device  # padding: loss mask 0, never an anchor or a counted slot
         generator = generator if generator is not None else torch.Generator().manual_seed(self.seed)
-        total = aux.new_zeros((), dtype=torch.float32)
-        for b in range(aux.shape[0]):
-            t = input_ids.shape[1]  # padding: loss mask 0, never an anchor or a counted slot, after every anchor
-            a = draw_anchors(loss_mask[b, :t], self.anchors, generator)
-            if a.numel() == 0:
-                continue
-            slots = a[:, None] + torch.arange(block, device=a.device)  # [A,B] positions of the block rows
-            inside = slots < t
-            tokens = torch.full_like(slots, d.config.mask_token_id)
-            tokens[:, 0] = input_ids[b, a]
-            ctx = d.context(aux[b: b + 1])
-            ctx_kv = d.context_kv(ctx, torch.arange(t, device=aux.device)[None])
-            mask = block_mask(a, t, block)[None, None]
-            logits = d.block_logits(tokens.flatten()[None], slots.flatten()[None], ctx_kv, mask)[0]
-            logits = logits.view(a.numel(), block, -1)[:, 1:]  # slot j >= 1 predicts the token at a + j
-            rows = (slots[:, 1:] - 1).clamp(max=t - 1)  # its teacher: the target at position a + j - 1
-            counted = inside[:, 1:] & loss_mask[b, slots[:, 1:].clamp(max=t - 1)].bool()
-            log_q = F.log_softmax(logits.float(), -1)
-            ce = -(p[b, rows].float() * log_q).sum(-1)  # [A, B-1]
-            hit = (log_q.argmax(-1) == top[b, rows]).float()  # fp32: CPU argmax over bf16 is ~10x slower
-            w = counted.float()
-            sums["loss_sum"] += (ce * w).sum(0).detach()
-            sums["correct"] += (hit * w).sum(0)
-            sums["count"] += w.sum(0)
-            total = total + (ce * w * weights).sum()
+        drawn = [draw_anchors(loss_mask[b], self.anchors, generator) for b in range(n)]
+        a = torch.zeros(n, max(1, max(x.numel() for x in drawn)), dtype=torch.long, device=dev)
+        real = torch.zeros_like(a, dtype=torch.bool)
+        for b, x in enumerate(drawn):
+            a[b, : x.numel()], real[b, : x.numel()] = x, True
+        slots = a[..., None] + torch.arange(block, device=dev)  # [N,A,B] positions of the block rows
+        tokens = torch.full_like(slots, d.config.mask_token_id)
+        tokens[..., 0] = input_ids.gather(1, a)
+        ctx_kv = d.context_kv(d.context(aux), torch.arange(t, device=dev).expand(n, t))
+        hidden = d.block_hidden(tokens.flatten(1), slots.flatten(1), ctx_kv, block_mask(a, t, block)[:, None])
+        hidden = hidden.view(n, a.shape[1], block, -1)[:, :, 1:]  # slot j >= 1 predicts the token at a + j
+        target = slots[..., 1:]
+        counted = real[..., None] & (target < t) & loss_mask.gather(
+            1, target.clamp(max=t - 1).flatten(1)).view_as(target).bool()
+        # the LM head and softmax over the counted rows only: a padded or untrained slot adds nothing to the loss
+        b_idx, a_idx, slot = counted.nonzero(as_tuple=True)
+        rows = target[b_idx, a_idx, slot] - 1  # its teacher: the target at position a + j - 1
+        log_q = F.log_softmax(F.linear(hidden[b_idx, a_idx, slot], d.lm_head).float(), -1)
+        p, top, _ = teacher
+        ce = -(p[b_idx, rows].float() * log_q).sum(-1)
+        hit = (log_q.argmax(-1) == top[b_idx, rows]).float()  # fp32: CPU argmax over bf16 is ~10x slower
+        steps = block - 1
+        weights = self.decay ** torch.arange(steps, device=dev, dtype=torch.float32)
+        sums = {"loss_sum": ce.new_zeros(steps).index_add(0, slot, ce.detach()),
+                "correct": ce.new_zeros(steps).index_add(0, slot, hit),
+                "count": ce.new_zeros(steps).index_add(0, slot, torch.ones_like(ce))}
         norm = (sums["count"] * weights).sum().clamp(min=1)
-        return total / norm, sums
+        return (ce * weights[slot]).sum() / norm, sums
