@@ -105,6 +105,27 @@ def test_online_writes_no_shards_and_records_its_source(runs):
     assert "online" not in m["settings"] and "hidden" in m["settings"]  # offline settings as before
 
 
+def test_online_dflash_trains_what_offline_dflash_trains(runs, tmp_path):
+    """train.drafter=dflash reads its aux states and teacher from the online captures as from the shards: the
+    same losses and accuracies step by step, and a DFlash export."""
+    from core.dflash import is_dflash_dir
+    from train.loop import main as train
+
+    offline, _ = runs
+    cfgs = [tiny(tmp_path / mode, f"train.source={mode}", "train.drafter=dflash", "train.epochs=2",
+                 "train.dflash.block_size=4", "train.dflash.anchors=8") for mode in ("offline", "online")]
+    for cfg, parts in zip(cfgs, (("conversations", "hidden"), ("conversations",)), strict=True):
+        for part in parts:
+            shutil.copytree(offline.run_path / part, cfg.run_path / part)
+        train(cfg)
+    off, on = (metrics(c) for c in cfgs)
+    assert [r["step"] for r in on] == [r["step"] for r in off] == list(range(1, 7))
+    for a, b in zip(off, on, strict=True):
+        for key in ("loss", "loss_0", "loss_2", "acc_0", "acc_2"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
+    assert is_dflash_dir(cfgs[1].run_path / "drafter") and not (cfgs[1].run_path / "hidden").exists()
+
+
 def test_switching_source_on_a_run_is_refused(runs):
     from train.loop import main as train
 
