@@ -103,39 +103,43 @@ def test_the_loss_counts_only_trained_slots_and_learns(tiny):
 
 
 def test_a_batch_trains_what_its_samples_train_alone(tiny):
-    """The objective's one batched forward (blocks padded to the batch's most anchors) gives the loss and per-slot
-    sums of each sample's blocks computed alone, with the same anchors drawn: samples of other trained spans, one
-    with nothing to train on."""
+    """The objective's one batched forward (blocks padded to the batch's most anchors, the fused head loss over the
+    counted rows) gives the loss, per-slot sums and gradients of each sample's blocks computed alone with plain
+    autograd, the same anchors drawn: samples of other trained spans, one with nothing to train on."""
     d, n, t, block = random_drafter(tiny, block=4, layers=2), 3, 18, 4
+    params = [q for q in d.parameters() if q.requires_grad]
     ids = torch.randint(0, 1000, (n, t))
     rows = extract_batch(tiny, ids.tolist(), d.config.aux_layers)
     aux = torch.stack([r[1] for r in rows])
     p = torch.softmax(torch.stack([r[2] for r in rows]) @ tiny.lm_head.weight.T, -1)
     loss_mask = torch.zeros(n, t, dtype=torch.long)
     loss_mask[0, 5:], loss_mask[1, 1:3], loss_mask[1, 10:13] = 1, 1, 1  # sample 1: 4 anchors, 2 padded at 0
-    with torch.no_grad():
-        loss, sums = DFlashObjective(d, decay=0.8, anchors=6, seed=0)(
-            aux, ids, loss_mask, (p, p.argmax(-1), None), generator=torch.Generator().manual_seed(7))
-        g, weights = torch.Generator().manual_seed(7), 0.8 ** torch.arange(block - 1.0)
-        total, loss_sum, count = 0.0, torch.zeros(block - 1), torch.zeros(block - 1)
-        for b in range(n):
-            a = draw_anchors(loss_mask[b], 6, g)
-            if b == 2:
-                assert a.numel() == 0
-                continue
-            slots = a[:, None] + torch.arange(block)
-            tokens = torch.full_like(slots, d.config.mask_token_id)
-            tokens[:, 0] = ids[b, a]
-            ctx_kv = d.context_kv(d.context(aux[b: b + 1]), torch.arange(t)[None])
-            logits = d.block_logits(tokens.flatten()[None], slots.flatten()[None], ctx_kv,
-                                    block_mask(a, t, block)[None, None])[0].view(len(a), block, -1)[:, 1:]
-            target = slots[:, 1:]
-            w = ((target < t) & loss_mask[b, target.clamp(max=t - 1)].bool()).float()
-            ce = -(p[b, (target - 1).clamp(max=t - 1)] * torch.log_softmax(logits, -1)).sum(-1)
-            total, loss_sum, count = total + (ce * w * weights).sum(), loss_sum + (ce * w).sum(0), count + w.sum(0)
+    loss, sums = DFlashObjective(d, decay=0.8, anchors=6, seed=0, loss_chunk=7)(  # fused head loss, 7 rows a chunk
+        aux, ids, loss_mask, (p, p.argmax(-1), None), generator=torch.Generator().manual_seed(7))
+    grads = torch.autograd.grad(loss, params)
+    g, weights = torch.Generator().manual_seed(7), 0.8 ** torch.arange(block - 1.0)
+    total, loss_sum, count = 0.0, torch.zeros(block - 1), torch.zeros(block - 1)
+    for b in range(n):
+        a = draw_anchors(loss_mask[b], 6, g)
+        if b == 2:
+            assert a.numel() == 0
+            continue
+        slots = a[:, None] + torch.arange(block)
+        tokens = torch.full_like(slots, d.config.mask_token_id)
+        tokens[:, 0] = ids[b, a]
+        ctx_kv = d.context_kv(d.context(aux[b: b + 1]), torch.arange(t)[None])
+        logits = d.block_logits(tokens.flatten()[None], slots.flatten()[None], ctx_kv,
+                                block_mask(a, t, block)[None, None])[0].view(len(a), block, -1)[:, 1:]
+        target = slots[:, 1:]
+        w = ((target < t) & loss_mask[b, target.clamp(max=t - 1)].bool()).float()
+        ce = -(p[b, (target - 1).clamp(max=t - 1)] * torch.log_softmax(logits, -1)).sum(-1)
+        total, loss_sum, count = total + (ce * w * weights).sum(), loss_sum + (ce * w).sum(0), count + w.sum(0)
+    want = total / (count * weights).sum()
     assert sums["count"].tolist() == count.tolist() and count[0] > 0
-    torch.testing.assert_close(sums["loss_sum"], loss_sum, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(loss, total / (count * weights).sum(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sums["loss_sum"], loss_sum.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    for got, ref, q in zip(grads, torch.autograd.grad(want, params), params, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6, msg=lambda m, q=q: f"{tuple(q.shape)}: {m}")
 
 
 def test_dflash_decoding_equals_greedy(tiny):

@@ -13,9 +13,9 @@ TTT's per-step sums, one step per slot, so logs, curves and W&B read them unchan
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from core.dflash import DFlashDrafter
+from train.draft_head_loss import draft_head_loss
 
 
 def draw_anchors(loss_mask: torch.Tensor, anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -41,9 +41,10 @@ def block_mask(anchors: torch.Tensor, context: int, block: int) -> torch.Tensor:
 class DFlashObjective(torch.nn.Module):
     """The DFlash drafter plus its block loss as one forward (DDP wraps the whole step), called like TTTObjective."""
 
-    def __init__(self, drafter: DFlashDrafter, decay: float, anchors: int, seed: int):
+    def __init__(self, drafter: DFlashDrafter, decay: float, anchors: int, seed: int, loss_chunk: int = 0):
         super().__init__()
         self.drafter, self.decay, self.anchors, self.seed = drafter, decay, anchors, seed
+        self.loss_chunk = loss_chunk  # rows per chunk of the fused head loss (0: plain autograd)
 
     def forward(self, aux, input_ids, loss_mask, teacher, doc_ids=None, positions=None, generator=None):
         """`generator`: the batch's random stream (train/position.py's batch_generator: the same anchors for a batch
@@ -68,17 +69,16 @@ class DFlashObjective(torch.nn.Module):
         target = slots[..., 1:]
         counted = real[..., None] & (target < t) & loss_mask.gather(
             1, target.clamp(max=t - 1).flatten(1)).view_as(target).bool()
-        # the LM head and softmax over the counted rows only: a padded or untrained slot adds nothing to the loss
-        b_idx, a_idx, slot = counted.nonzero(as_tuple=True)
-        rows = target[b_idx, a_idx, slot] - 1  # its teacher: the target at position a + j - 1
-        log_q = F.log_softmax(F.linear(hidden[b_idx, a_idx, slot], d.lm_head).float(), -1)
+        # per slot, the rows that count and their teacher rows (the target at a + j - 1): the fused head loss
+        # runs the LM head over those rows only, a chunk at a time (train.kernels.loss_chunk)
+        xs, teacher_rows = [], []
+        for j in range(block - 1):
+            b_idx, a_idx = counted[..., j].nonzero(as_tuple=True)
+            xs.append(hidden[b_idx, a_idx, j])
+            teacher_rows.append(b_idx * t + target[b_idx, a_idx, j] - 1)
+        count = counted.sum((0, 1)).float()
+        weights = self.decay ** torch.arange(block - 1, device=dev, dtype=torch.float32)
         p, top, _ = teacher
-        ce = -(p[b_idx, rows].float() * log_q).sum(-1)
-        hit = (log_q.argmax(-1) == top[b_idx, rows]).float()  # fp32: CPU argmax over bf16 is ~10x slower
-        steps = block - 1
-        weights = self.decay ** torch.arange(steps, device=dev, dtype=torch.float32)
-        sums = {"loss_sum": ce.new_zeros(steps).index_add(0, slot, ce.detach()),
-                "correct": ce.new_zeros(steps).index_add(0, slot, hit),
-                "count": ce.new_zeros(steps).index_add(0, slot, torch.ones_like(ce))}
-        norm = (sums["count"] * weights).sum().clamp(min=1)
-        return (ce * weights[slot]).sum() / norm, sums
+        total, loss_sums, correct = draft_head_loss(xs, d.lm_head, p.flatten(0, 1), top.flatten(), teacher_rows,
+                                                    weights / (count * weights).sum().clamp(min=1), self.loss_chunk)
+        return total, {"loss_sum": loss_sums, "correct": correct.float(), "count": count}

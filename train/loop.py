@@ -331,7 +331,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
              len(source.ids), source.num_tokens(), tc.source, draft_ids.numel(), 100 * coverage)
     if dflash:
         drafter, head = build_dflash(cfg, accelerator, source, target)
-        objective = DFlashObjective(drafter, tc.loss_decay, tc.dflash.anchors, cfg.seed)
+        objective = DFlashObjective(drafter, tc.loss_decay, tc.dflash.anchors, cfg.seed, tc.kernels.loss_chunk)
     else:
         drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target)
         head = ready_drafter(cfg, accelerator, drafter, source, target.lm_head[draft_ids], t2d)
