@@ -38,7 +38,7 @@ from core.decode import Generation, new_cache, prefill, verify
 from core.drafter import MLP, RMSNorm, apply_rope, write_weights
 from core.drafter_config import target_layer_shape
 from core.errors import UserError
-from core.speculative import emitted_tokens
+from core.speculative import accept_chain, emitted_tokens
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -286,9 +286,8 @@ def dflash_generate(model, drafter: DFlashDrafter, prompt: list[int], max_new_to
     while out[-1] not in stop_ids and len(out) < max_new_tokens:
         drafts = draft_block(drafter, out[-1], ctx, steps).argmax(-1).tolist()[: max(0, max_new_tokens - len(out) - 1)]
         logits, aux = verify(model, cache, [out[-1], *drafts], m, aux_layers)
-        verdict = logits.argmax(-1).tolist()
-        a = next((j for j in range(len(drafts)) if drafts[j] != verdict[j]), len(drafts))
-        new = emitted_tokens(drafts[:a] + [verdict[a]], stop_ids, max_new_tokens - len(out))
+        a, nxt = accept_chain(drafts, logits.argmax(-1).tolist())
+        new = emitted_tokens(drafts[:a] + [nxt], stop_ids, max_new_tokens - len(out))
         accept_lengths.append(len(new))
         drafted.append(len(drafts))
         out += new

@@ -92,6 +92,13 @@ def verify_tree(model, cache: StaticCache, root: int, tree: DraftTree, m: int, a
     return logits[0], aux
 
 
+def accept_chain(drafts: list[int], verdict: list[int]) -> tuple[int, int]:
+    """Greedy verification of a chain (EAGLE-3's or a DFlash block): verdict[j] is the target's argmax after
+    drafts[:j] -> (drafts accepted: the longest prefix the target agrees with, the target's next token)."""
+    a = next((j for j in range(len(drafts)) if drafts[j] != verdict[j]), len(drafts))
+    return a, verdict[a]
+
+
 def accept_tree(tree: DraftTree, verdict: list[int]) -> tuple[list[int], int]:
     """Greedy walk from the root: follow the child whose token is the target's argmax (verdict[0] at
     the root, verdict[i+1] at node i) -> (accepted node indices, the target's next token)."""
@@ -169,9 +176,7 @@ def speculative_generate(model, drafter: Eagle3Drafter, prompt: list[int], max_n
             if temperature > 0:
                 a, nxt = accept_sampled(drafts, qs, logits, drafter, sampling)
             else:
-                verdict = logits.argmax(-1).tolist()
-                a = next((j for j in range(len(drafts)) if drafts[j] != verdict[j]), len(drafts))
-                nxt = verdict[a]
+                a, nxt = accept_chain(drafts, logits.argmax(-1).tolist())
             accepted, rows, n_drafts = drafts[:a], list(range(a + 1)), len(drafts)
         else:
             grown = draft_tree(drafter, d_logits[:, -1], h[:, -1:], m, tree, dcache)
