@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 from core.atomic_io import atomic_write
-from core.dflash import is_dflash_dir
 from core.errors import UserError
 
 SAME = ("target", "prompts", "max_new_tokens", "num_prompts")
@@ -30,6 +29,8 @@ def load_reports(dirs: list[Path]) -> list[dict]:
         if "hf_engine" not in r:
             raise UserError(f"{d}/report.json: not an --engine llamacpp report (it has no llama.cpp levels beside our "
                             "engine's)")
+        if not r.get("drafter_family"):  # the report's own record: the drafter dir may be gone or moved since
+            raise UserError(f"{d}/report.json: no drafter_family recorded (an older eval): rerun that eval")
         r["levels"] = [lv["concurrency"] for lv in r["server"]["levels"]]
         differ = [k for k in (*SAME, "levels") if r.get(k) != reports[0].get(k)]
         if differ:
@@ -38,8 +39,6 @@ def load_reports(dirs: list[Path]) -> list[dict]:
     return reports
 
 
-def family(report: dict) -> str:
-    return "DFlash" if is_dflash_dir(Path(report["drafter"])) else "EAGLE-3"
 
 
 def compare_table(reports: list[dict], names: list[str]) -> str:
@@ -52,7 +51,7 @@ def compare_table(reports: list[dict], names: list[str]) -> str:
         for lv in r["server"]["levels"]:
             cells += [f"{lv['acceptance_length']:.3f}",
                       f"{lv['base']['tokens_per_s']:.1f} → {lv['spec']['tokens_per_s']:.1f}", f"**{lv['speedup']:.2f}x**"]
-        lines.append("| " + " | ".join([name, family(r), str(r["draft_steps"]),
+        lines.append("| " + " | ".join([name, r["drafter_family"], str(r["draft_steps"]),
                                           f"**{hf['acceptance_length']:.3f}**",
                                           f"{hf['tokens_per_s_baseline']:.1f} → {hf['tokens_per_s_spec']:.1f}",
                                           f"{hf['speedup']:.2f}x", *cells]) + " |")

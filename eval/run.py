@@ -197,7 +197,8 @@ def evaluate(cfg: RunConfig, prompts: str | None, draft_dir: Path, out_dir: Path
     if seen:
         log.warning("%d of %d eval prompts were in the drafter's training data: its τ on them reads higher than on "
                     "held-out prompts (the report says so first)", len(seen), len(items))
-    report = {"engine": ev.engine, "target": cfg.target.model, "drafter": str(draft_dir),
+    family = None if ev.engine == "server" else "DFlash" if is_dflash_dir(draft_dir) else "EAGLE-3"
+    report = {"engine": ev.engine, "target": cfg.target.model, "drafter": str(draft_dir), "drafter_family": family,
               "drafter_fingerprint": drafted_by.get("fingerprint"), "prompts": prompts or ev.prompts,
               "prompts_split": prompts_split(cfg, prompts), "trained_on_prompts": seen,
               "max_new_tokens": n, "git_sha": git_sha(), "config": to_dict(cfg)}

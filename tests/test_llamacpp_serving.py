@@ -116,6 +116,17 @@ def test_eval_compare_puts_the_two_families_side_by_side(served, served_dflash, 
     assert "τ llama.cpp @1" in table and "τ llama.cpp @2" in table
     wrong = run_stage("eval", "compare", str(eagle), str(served_dflash[0] / "train"), check=False)
     assert wrong.returncode == 1 and "not an eval report" in wrong.stderr.splitlines()[-1]
+    # the family is the report's own record, not a look at a drafter dir that may have moved since
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    report = json.loads((dflash / "report.json").read_text())
+    (moved / "report.json").write_text(json.dumps({**report, "drafter": str(tmp_path / "gone")}))
+    run_stage("eval", "compare", str(eagle), str(moved), "--out", str(tmp_path))
+    assert f"| {moved} | DFlash |" in (tmp_path / "compare.md").read_text()
+    del report["drafter_family"]
+    (moved / "report.json").write_text(json.dumps(report))
+    older = run_stage("eval", "compare", str(eagle), str(moved), check=False)
+    assert older.returncode == 1 and "no drafter_family recorded" in older.stderr.splitlines()[-1]
 
 
 def assert_engines_agree(report: dict) -> None:
