@@ -72,14 +72,15 @@ def drafter_config(s: dict) -> DrafterConfig:
                          max_position_embeddings=131072, mla=s.get("mla"))
 
 
-def target_shape(path: str, draft_attention: str) -> dict:
+def target_shape(path: str, draft_attention: str, draft_vocab: int = 32000) -> dict:
     """--target-config: the drafter train builds for that target (a config.json's dir, e.g.
-    configs/targets/kimi-k2.5), draft vocab 32000, GQA or MLA of the target's sizes."""
+    configs/targets/kimi-k2.5), GQA or MLA of the target's sizes."""
     tc = read_target_config(Path(path))
     mla = MLAShape.for_target(tc, {}) if draft_attention == "mla" else None
-    dc = DrafterConfig.for_target(tc, [], 32000, DraftVariant(mla=mla))
+    dc = DrafterConfig.for_target(tc, [], draft_vocab, DraftVariant(mla=mla))
     return dict(hidden=dc.hidden_size, intermediate=dc.intermediate_size, heads=dc.num_attention_heads,
-                kv_heads=dc.num_key_value_heads, head_dim=dc.head_dim, vocab=dc.vocab_size, draft_vocab=32000, mla=mla)
+                kv_heads=dc.num_key_value_heads, head_dim=dc.head_dim, vocab=dc.vocab_size, draft_vocab=draft_vocab,
+                mla=mla)
 
 
 def flops_per_token(s: dict, t: int, k_steps: int, span: float | None = None) -> float:
@@ -339,7 +340,8 @@ def specforge(args, t: int, emit) -> None:
     sf_out = Path(args.out or "/tmp/bench_train_step.jsonl").with_suffix(".specforge.jsonl")
     sf_out.unlink(missing_ok=True)
     cmd = ([str(Path(__file__).with_name("specforge_full_step.py")), "--harness", args.specforge_harness,
-            "--seq-len", str(t), "--warmup", str(args.warmup), "--iters", str(args.iters)]
+            "--seq-len", str(t), "--warmup", str(args.warmup), "--iters", str(args.iters),
+            "--shape", args.specforge_shape]
            if args.with_optimizer else
            [args.specforge_harness, "--configs", f"flex_attention:{t}", "--measure-peak"])
     subprocess.run([sys.executable, *cmd, "--wheel", args.specforge_wheel, "--out", str(sf_out)], check=False)
@@ -373,6 +375,8 @@ def main() -> None:
     ap.add_argument("--trace-dir", default=None, help="with --profile: also write each profiled step's chrome trace here")
     ap.add_argument("--specforge-wheel", default=None)
     ap.add_argument("--specforge-harness", default=".carry/specforge_step.py")
+    ap.add_argument("--specforge-shape", default="8b", choices=("8b", "kimi-k2.5"),
+                    help="SpecForge's drafter for the comparison (bench/specforge_full_step.py --shape)")
     ap.add_argument("--with-optimizer", action="store_true",
                     help="time whole training steps: + AdamW (ours) / BF16Optimizer (SpecForge's), see above")
     ap.add_argument("--out", default=None, help="append one JSON line per record")
@@ -382,10 +386,12 @@ def main() -> None:
     ap.add_argument("--target-config", default="", help="the drafter of this target instead of the 8B shape: its "
                                                         "config dir, e.g. configs/targets/kimi-k2.5")
     ap.add_argument("--draft-attention", default="gqa", choices=("gqa", "mla"), help="with --target-config")
+    ap.add_argument("--draft-vocab", type=int, default=32000, help="with --target-config")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    s = SMOKE if args.smoke else target_shape(args.target_config, args.draft_attention) if args.target_config else SHAPE
-    if args.smoke and args.draft_attention == "mla":
+    s = (target_shape(args.target_config, args.draft_attention, args.draft_vocab) if args.target_config
+         else SMOKE if args.smoke else SHAPE)
+    if args.smoke and args.draft_attention == "mla" and not args.target_config:
         s = {**s, "mla": MLAShape(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)}
     seqlens = [int(x) for x in args.seqlens.split(",")]
     args.profile = [int(x) for x in args.profile.split(",") if x]
@@ -395,7 +401,8 @@ def main() -> None:
                 "dense": {"attention": "dense", "compile": "no"}}
     if args.smoke:
         # the CPU path: no bf16 autocast there, so no bf16 weights either
-        seqlens, args.warmup, args.iters = [64], 1, 2
+        seqlens = seqlens if args.seqlens != ap.get_default("seqlens") else [64]
+        args.warmup, args.iters = 1, 2
         variants = {"dense": {**variants["dense"], "bf16_weights": False}}
 
     def kernels_for(name: str, t: int) -> TrainKernels:

@@ -276,34 +276,61 @@ class HiddenShards:
                             "re-extract: `python -m extract --fresh ...`")
         return x
 
-    def _rows(self, r: dict, name: str, lo: int, hi: int) -> torch.Tensor:
-        x = self._checked(r, name, lo, hi)
+    def _rows(self, r: dict, name: str, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """{name: rows lo:hi as stored, name_scale [n, groups]: their fp8 scales, if stored so}."""
+        out = {name: self._checked(r, name, lo, hi)}
         if f"{name}_scale" in self._file(r["shard"])[1]:
             scale = self._checked(r, f"{name}_scale", lo, hi)
-            x = dequantize_rows(x, scale if scale.dim() == 2 else scale[:, None])
-        return x
+            out[f"{name}_scale"] = scale if scale.dim() == 2 else scale[:, None]
+        return out
 
-    def load(self, sample_id: str, names=("input_ids", "loss_mask", "aux", "final")) -> dict[str, torch.Tensor]:
+    def load(self, sample_id: str, names=("input_ids", "loss_mask", "aux", "final"),
+             decode: bool = True) -> dict[str, torch.Tensor]:
+        """One sample's tensors; aux [T, 3H] and final [T, H] (zero rows where final was not stored) in fp32, or
+        with decode=False as stored (bf16, or fp8 with aux_scale [T, 3] / final_scale [T, 1] beside them, zero
+        where no row was stored): `decode_hidden` then makes the fp32 rows wherever the tensors are (training
+        dequantizes on its GPU: a quarter of the bytes to read and copy there, no CPU pass over them)."""
         r = self.rows[sample_id]
         lo, hi = r["offset"], r["offset"] + r["length"]
         out = {k: self._checked(r, k, lo, hi) for k in names if k not in ("aux", "final")}
         for k in (k for k in ("aux", "final") if k in names):
             if k == "final" and "final_length" in r:  # loss spans: scattered back by the mask
-                out[k] = self._sparse_final(r, out["loss_mask"] if "loss_mask" in out else
-                                            self._checked(r, "loss_mask", lo, hi))
+                out.update(self._sparse_final(r, out["loss_mask"] if "loss_mask" in out else
+                                              self._checked(r, "loss_mask", lo, hi)))
             else:
-                out[k] = self._rows(r, k, lo, hi)
+                out.update(self._rows(r, k, lo, hi))
         if "input_ids" in out and ids_sha256(out["input_ids"]) != r["sha256"]:
             raise UserError(f"{self.dir / r['shard']}: sample {r['id']!r} input_ids hash mismatch (corrupt shard)")
-        return out
+        return decode_hidden(out) if decode else out
 
-    def _sparse_final(self, r: dict, loss_mask: torch.Tensor) -> torch.Tensor:
-        """final stored on loss spans only -> [T, H] with zero rows where the loss never reads it."""
+    def _sparse_final(self, r: dict, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """final stored on loss spans only -> [T, H] as stored (and its scales [T, 1]), zero rows where the loss
+        never reads it."""
         need = teacher_positions(loss_mask)
         if int(need.sum()) != r["final_length"]:
             raise UserError(f"{self.dir / r['shard']}: sample {r['id']!r} has {r['final_length']} final rows for "
                             f"{int(need.sum())} loss positions (corrupt shard)")
-        rows = self._rows(r, "final", r["final_offset"], r["final_offset"] + r["final_length"])
-        full = rows.new_zeros(r["length"], rows.shape[1])
-        full[need] = rows
-        return full
+        out = {}
+        for name, rows in self._rows(r, "final", r["final_offset"], r["final_offset"] + r["final_length"]).items():
+            bits = rows.view(torch.uint8) if rows.dtype == FP8 else rows  # fp8 has no CPU scatter; 0x00 is +0.0
+            full = bits.new_zeros(r["length"], rows.shape[1])
+            full[need] = bits
+            out[name] = full.view(rows.dtype)
+        return out
+
+
+def decode_hidden(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """aux / final as stored (HiddenShards.load(decode=False), one sample [T, ...] or a collated batch [B, T, ...],
+    fp8 with their `_scale` tensors) -> fp32, on the tensors' own device; the scales are consumed."""
+    out = dict(tensors)
+    for name in ("aux", "final"):
+        if name not in out:
+            continue
+        scale = out.pop(f"{name}_scale", None)
+        x = out[name]
+        if scale is None:
+            out[name] = x.float()
+        else:
+            rows = dequantize_rows(x.reshape(-1, x.shape[-1]), scale.reshape(-1, scale.shape[-1]))
+            out[name] = rows.reshape(x.shape)
+    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -28,9 +29,12 @@ LATEST = "latest.json"
 def save_checkpoint(accelerator: Accelerator, ckpt_root: Path, position: dict) -> None:
     """position: {"step", "epoch", "epoch_samples", "step_batches"}; keeps the two newest checkpoints."""
     path = ckpt_root / f"step-{position['step']:07d}"
+    start = time.perf_counter()
     accelerator.save_state(str(path))
     if accelerator.is_main_process:
         honour_umask(path)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        log.info("checkpoint %s: %.2f GiB in %.1f s", path.name, size / 2**30, time.perf_counter() - start)
         atomic_write_json(ckpt_root / LATEST, {"path": path.name, **position, "world_size": accelerator.num_processes})
         for old in sorted(ckpt_root.glob("step-*"))[:-2]:
             shutil.rmtree(old, ignore_errors=True)

@@ -11,15 +11,17 @@ and the teacher argmax), and `where(ids)` (what to name when a batch goes wrong)
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from core.config import RunConfig
 from core.errors import UserError
-from core.hidden_shards import HiddenShards, teacher_positions
+from core.hidden_shards import HiddenShards, decode_hidden, teacher_positions
 from core.manifest import check_compat, read_finished_manifest
 from core.target import TargetHead
 from train.ttt_loss import teacher_argmax
@@ -28,7 +30,8 @@ AUX_RMS_SAMPLES = 128  # aux_rms reads the first this many samples (sorted ids)
 
 
 class ShardDataset(Dataset):
-    """Samples truncated to max_len; `extra[name][id]` adds per-token tensors (e.g. the teacher argmax)."""
+    """Samples truncated to max_len, hidden states as stored (`decode_hidden` makes them fp32, on the device in
+    training); `extra[name][id]` adds per-token tensors (e.g. the teacher argmax)."""
 
     def __init__(self, shards: HiddenShards, ids: list[str], max_len: int, extra: dict | None = None):
         self.shards, self.ids, self.max_len, self.extra = shards, ids, max_len, extra or {}
@@ -37,7 +40,7 @@ class ShardDataset(Dataset):
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        s = self.shards.load(self.ids[i])
+        s = self.shards.load(self.ids[i], decode=False)
         s.update({name: per_id[self.ids[i]] for name, per_id in self.extra.items()})
         return {"id": self.ids[i], **{k: v[: self.max_len] for k, v in s.items()}}
 
@@ -84,7 +87,7 @@ class ShardSource:
         return ShardDataset(self.shards, self.ids, self.max_len, {"argmax": argmax})
 
     def complete(self, batch: dict) -> dict:
-        return batch  # the shards hold aux and final; the argmax was precomputed
+        return decode_hidden(batch)  # the shards hold aux and final, fp8 dequantized here; the argmax was precomputed
 
     def where(self, ids: list[str]) -> str:
         return f"{self.dir} {sorted({self.shards.rows[i]['shard'] for i in ids})}"
@@ -107,13 +110,15 @@ def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on
             rows.clear()
 
     for sid in tqdm(shards.ids, desc="teacher argmax", unit="sample"):
-        s = shards.load(sid, names=("loss_mask", "final"))
+        stored = shards.load(sid, names=("loss_mask", "final"), decode=False)
+        s = decode_hidden({k: v.to(head.device) for k, v in stored.items()})  # fp8 dequantized on the device
+        s["loss_mask"] = stored["loss_mask"]
         need = teacher_positions(torch.ones_like(s["loss_mask"]) if on_prompt else s["loss_mask"])
         need[max_len:] = False
         out[sid] = torch.zeros(need.shape[0], dtype=torch.long)
         if need.any():
             pending.append((sid, need))
-            rows.append(s["final"][need])
+            rows.append(s["final"][need.to(head.device)])
         if sum(r.shape[0] for r in rows) >= rows_per_call:
             flush()
     flush()
@@ -134,10 +139,63 @@ def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, group
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
-def slot_batches(ds: Dataset, batches: list[list[int]], slots: list, device: torch.device):
-    """The collated batches of a rank's slots (train/position.py), in order, on `device`."""
-    for batch in DataLoader(ds, batch_sampler=[batches[s.batch] for s in slots], collate_fn=collate):
-        yield {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+def slot_batches(ds: Dataset, batches: list[list[int]], slots: list, device: torch.device, ahead: int = 2):
+    """The collated batches of a rank's slots (train/position.py), in order, on `device`. A thread reads and
+    collates up to `ahead` batches ahead of the step; on CUDA into pinned memory, copied to the GPU on a stream of
+    their own, so neither the disk nor the copy waits behind the step's kernels (bench/bench_train_loop.py)."""
+    cuda = device.type == "cuda"
+    copies = torch.cuda.Stream(device) if cuda else None
+    for batch in read_ahead(lambda idx: collate([ds[i] for i in idx], pin=cuda),
+                            [batches[s.batch] for s in slots], ahead):
+        if not cuda:
+            yield batch
+            continue
+        with torch.cuda.stream(copies):
+            moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                     for k, v in batch.items()}
+        torch.cuda.current_stream(device).wait_stream(copies)
+        for v in moved.values():  # made on the copy stream, used and freed on the step's
+            if isinstance(v, torch.Tensor):
+                v.record_stream(torch.cuda.current_stream(device))
+        yield moved
+
+
+def read_ahead(load, items: list, ahead: int) -> Iterator:
+    """load(item) for each item, in order, computed on one thread up to `ahead` items before the consumer asks;
+    its error is raised here, at the item that failed. Leaving the loop early stops the thread."""
+    done, ready, stop = object(), queue.Queue(maxsize=ahead), threading.Event()
+
+    def put(x) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work():
+        try:
+            for item in items:
+                if not put((load(item), None)):
+                    return
+            put((done, None))
+        except BaseException as e:  # noqa: BLE001 -- handed to the consumer, raised there
+            put((None, e))
+
+    thread = threading.Thread(target=work, name="batch-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            value, error = ready.get()
+            if error is not None:
+                raise error
+            if value is done:
+                return
+            yield value
+    finally:
+        stop.set()
+        thread.join()
 
 
 @torch.no_grad()
@@ -161,25 +219,22 @@ def aux_rms(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], where: str,
     return raw, raw if norm is None else (normed / count).sqrt().clamp(min=1e-3)
 
 
-def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-padded batch: input_ids, loss_mask, valid (1 on real tokens) [B,T], the samples' ids, and
-    whichever of aux [B,T,3H] / final [B,T,H] (fp32) / argmax [B,T] the samples carry."""
+def collate(samples: list[dict[str, torch.Tensor]], pin: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded batch [B,T,...] of the samples' per-token tensors, zero on padding: input_ids and argmax as
+    int64, the rest in their own dtype (hidden states as stored: bf16, or fp8 with their scales), valid (1 on real
+    tokens) [B,T], and the samples' ids. pin: in page-locked memory, for an asynchronous copy to a GPU."""
     t = max(s["input_ids"].numel() for s in samples)
     b = len(samples)
-    out = {"input_ids": torch.zeros(b, t, dtype=torch.long), "loss_mask": torch.zeros(b, t, dtype=torch.uint8),
-           "valid": torch.zeros(b, t, dtype=torch.uint8)}
-    for name in ("aux", "final"):
-        if name in samples[0]:
-            out[name] = torch.zeros(b, t, samples[0][name].shape[-1])
-    if "argmax" in samples[0]:
-        out["argmax"] = torch.zeros(b, t, dtype=torch.long)
+    out = {"valid": torch.zeros(b, t, dtype=torch.uint8, pin_memory=pin)}
+    for name, x in samples[0].items():
+        if isinstance(x, torch.Tensor):
+            dtype = {"input_ids": torch.long, "argmax": torch.long, "loss_mask": torch.uint8}.get(name, x.dtype)
+            out[name] = torch.zeros(b, t, *x.shape[1:], dtype=dtype, pin_memory=pin)
     out["ids"] = [s["id"] for s in samples]  # named when a batch goes wrong (non-finite loss)
     for i, s in enumerate(samples):
         n = s["input_ids"].numel()
-        out["input_ids"][i, :n] = s["input_ids"].long()
-        out["loss_mask"][i, :n] = s["loss_mask"]
         out["valid"][i, :n] = 1
-        for name in ("aux", "final", "argmax"):
-            if name in s:
-                out[name][i, :n] = s[name]
+        for name, x in s.items():
+            if isinstance(x, torch.Tensor):
+                out[name][i, :n] = x
     return out

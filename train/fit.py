@@ -8,6 +8,7 @@ resuming, the checkpoint loaded. Per step, in order: the micro-batches, the opti
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ class Fit:
     accum: int  # micro-batches per rank per step in this launch
     export: Callable[[int, int], None]  # (step, epoch): train.loop.Exporter on the drafter after that epoch, rank 0
     window: dict | None = None  # per-step metric sums since the last log line
+    pace: "Pace" = None  # tokens and wall time since the last log line
     records: list = field(default_factory=list)  # train.log_samples rows of this step, this rank
 
     def order(self, epoch: int) -> list[list[int]]:
@@ -120,6 +122,30 @@ def log_samples(f: Fit, step: int) -> None:
     f.records = []
 
 
+class Pace:
+    """The run's speed between log lines: this rank's tokens (the samples' lengths, no device sync) and the wall
+    time, everything a step costs included (reading, copies, step, optimizer, metrics); checkpoints and τ
+    probes are left out. -> train/throughput.jsonl (main process) and W&B, apart from metrics.jsonl, whose rows
+    are the same on every machine."""
+
+    def __init__(self):
+        self.tokens, self.start = 0, time.perf_counter()
+
+    def log(self, f: Fit, step: int) -> float:
+        seconds = time.perf_counter() - self.start
+        tokens = int(f.accelerator.reduce(torch.tensor(self.tokens, device=f.accelerator.device), "sum"))
+        row = {"step": step, "tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)}
+        if f.accelerator.device.type == "cuda":
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated(f.accelerator.device) / 2**30, 2)
+        f.accelerator.log({"tokens_per_s": row["tokens_per_s"]}, step=step)
+        if f.accelerator.is_main_process:
+            append_jsonl(f.train_dir / "throughput.jsonl", [row])
+        return row["tokens_per_s"]
+
+    def restart(self):
+        self.tokens, self.start = 0, time.perf_counter()
+
+
 def log_metrics(f: Fit, row: dict) -> dict:
     """row ({"step", "epoch", "samples", "lr"}, τ where measured) + the per-step sums since the last line,
     summed across ranks, then divided (step_metrics)."""
@@ -142,6 +168,7 @@ def fit(f: Fit, step: int, start_epoch: int, epoch_samples: int) -> tuple[int, b
     end_step = step + steps_left(len(first), batches_done(first, epoch_samples, where), world * f.accum,
                                  tc.epochs - start_epoch)
     first_step, stopped = step, False
+    f.pace = Pace()
     bar = tqdm(total=end_step, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     for epoch in range(start_epoch, tc.epochs):
         batches = f.order(epoch)
@@ -152,6 +179,7 @@ def fit(f: Fit, step: int, start_epoch: int, epoch_samples: int) -> tuple[int, b
         for slot, batch in zip(slots, slot_batches(f.ds, batches, slots, accelerator.device), strict=True):
             lr = tc.lr * lr_factor(seen[slot.start], seen[slot.end], total, tc.warmup_ratio * total)
             micro_step(f, batch, slot, epoch, step, lr)
+            f.pace.tokens += sum(f.source.lengths[i] for i in batches[slot.batch]) if slot.weight else 0
             if not accelerator.sync_gradients:
                 continue
             step += 1
@@ -161,8 +189,10 @@ def fit(f: Fit, step: int, start_epoch: int, epoch_samples: int) -> tuple[int, b
             measure_tau = f.probe.due(step, end_step)
             if step % tc.log_every == 0 or step == end_step or measure_tau:  # .item() (a sync) only here
                 row = {"step": step, "epoch": epoch, "samples": seen[slot.end], "lr": lr}
+                tokens_per_s = f.pace.log(f, step)
                 row = log_metrics(f, {**row, **(f.probe.measure(accelerator, f.objective) if measure_tau else {})})
-                bar.set_postfix({k: f"{row[k]:.3f}" for k in ("loss", "acc_0", "tau") if k in row})
+                bar.set_postfix({**{k: f"{row[k]:.3f}" for k in ("loss", "acc_0", "tau") if k in row},
+                                 "tok/s": f"{tokens_per_s:,.0f}"})
             stopped = step - first_step == tc.stop_after and step < end_step  # at the end: export
             if (tc.save_every and step % tc.save_every == 0) or stopped:
                 save_checkpoint(accelerator, f.train_dir / "checkpoints", {
@@ -170,6 +200,8 @@ def fit(f: Fit, step: int, start_epoch: int, epoch_samples: int) -> tuple[int, b
                     "step_batches": f.step_batches})
             if stopped:
                 break
+            if step % tc.log_every == 0 or measure_tau or tc.save_every and step % tc.save_every == 0:
+                f.pace.restart()  # after the log line, the probe and the checkpoint
         if stopped:
             break
         if not tc.save_every:

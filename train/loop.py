@@ -55,7 +55,6 @@ from train.draft_vocab import (
 )
 from train.fit import Fit, TeacherHead, fit
 from train.master_weights import MasterWeightAdamW, weights_to_bf16
-from train.online import OnlineSource
 from train.plots import plot_curves
 from train.position import accum_for
 from train.tau_probe import TauProbe
@@ -95,7 +94,17 @@ def frozen_to_matmul_dtype(drafter: Eagle3Drafter, precision: str) -> None:
         drafter.embed_tokens.to(torch.bfloat16)
 
 
-SOURCES = {"offline": ShardSource, "online": OnlineSource}  # train/data.py: what a source gives the loop
+def make_source(cfg: RunConfig, device: torch.device):
+    """train.source -> what the loop reads (train/data.py says what a source gives it). The online source, and the
+    conversation reader under it (datasets, pyarrow), are imported only for online runs: a GPU node that trains
+    from shards needs neither."""
+    if cfg.train.source == "offline":
+        return ShardSource(cfg, device)
+    from train.online import OnlineSource
+
+    return OnlineSource(cfg, device)
+
+
 # how the step is computed, not what it computes: a run may resume with other values (source: its own keys)
 SETTINGS_EXCLUDED = ("source", "log_every", "save_every", "stop_after", "log_samples", "wandb_mode", "wandb_project",
                      "mixed_precision", "kernels", "tau_every", "tau_prompts", "tau_new_tokens", "epoch_drafters")
@@ -318,7 +327,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
         options = step_options(tc.kernels, accelerator.device, dc)
         if options.attention == "merged":  # its gradients against the dense path's, on this device
             check_merged_attention(accelerator.device, mla=dc.mla is not None)
-    source = SOURCES[tc.source](cfg, accelerator.device)
+    source = make_source(cfg, accelerator.device)
     settings, runtime = open_run(cfg, accelerator, source, fresh)
     accelerator.wait_for_everyone()
     set_seed(cfg.seed)
@@ -345,7 +354,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
     objective, opt = accelerator.prepare(objective, opt)
     register_external_weights(accelerator.unwrap_model(objective), accelerator)
     step, epoch, epoch_samples = 0, 0, 0
-    logs = [train_dir / "metrics.jsonl", train_dir / "samples.jsonl"]
+    logs = [train_dir / "metrics.jsonl", train_dir / "samples.jsonl", train_dir / "throughput.jsonl"]
     if latest:
         load_checkpoint(accelerator, ckpt_root, latest, logs)
         step, epoch, epoch_samples = latest["step"], latest["epoch"], latest["epoch_samples"]
