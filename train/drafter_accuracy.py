@@ -42,7 +42,7 @@ def teacher_forced_accuracy(cfg: RunConfig, draft_dir: Path, steps: int, batch: 
     ds = ShardDataset(shards, shards.ids, max_len, {"argmax": precompute_argmax(shards, target.lm_head, max_len, False)})
     correct, count = torch.zeros(steps), torch.zeros(steps)
     for i in range(0, len(ds), batch):
-        b = decode_hidden(collate([ds[j] for j in range(i, min(i + batch, len(ds)))]))
+        b = decode_hidden(collate([ds[j] for j in range(i, min(i + batch, len(ds)))]), to_float=True)
         teacher = teacher_targets(b["final"], b["loss_mask"], draft_head, drafter.t2d, b["argmax"])
         _, sums = ttt_loss(drafter, Rows(b["aux"], b["input_ids"], b["loss_mask"]), teacher, steps, 1.0)
         correct, count = correct + sums["correct"], count + sums["count"]
