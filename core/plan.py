@@ -23,7 +23,7 @@ from core.config import RunConfig, TrainConfig, TrainKernels
 from core.drafter_config import DrafterConfig, DraftVariant, MLAShape
 from core.errors import UserError
 from core.target import read_target_config, resolve_target
-from core.vllm_extract import server_command, vllm_layer_ids
+from core.vllm_extract import AUX_OVER_PP, hidden_cache_bytes, server_command, vllm_layer_ids
 
 GIB = 1024 ** 3
 # (stage, hidden, layers, storage or precision) -> [(tokens/s, where measured)]. Only shapes measured on
@@ -270,10 +270,16 @@ def _vllm_lines(cfg: RunConfig, sh: _Shape) -> list[str]:
     storage = Path(x.dump_dir or cfg.run_path / "dumps").resolve()
     port = urlparse(x.server_url).port or 8000
     per_tok = len(ids) * h * (4 if cfg.target.dtype == "fp32" else 2)
+    cache, (kv, kv_kind), longest = hidden_cache_bytes(ids, h), kv_bytes_per_token(sh.tc), sh.cap + 1
     return [f"vLLM layer ids {ids}: the aux layers as they are (vLLM's id k is the input of layer k) and {layers}, the "
             "last layer's output, which the client puts through the target's final norm for `final`",
             "server: " + shlex.join(server_command(str(cfg.target.model), port, ids, storage,
-                                                   cfg.target.trust_remote_code)),
+                                                   cfg.target.trust_remote_code, sh.cap)),
+            f"hidden-state cache on every rank, beside the KV cache: {len(ids)} x {h} x 2 B = {cache:,} B/token (bf16; "
+            f"the KV cache: {kv:,} B/token, {kv_kind}) -> {_gib(cache * longest)} per rank for a sequence of "
+            f"--max-model-len {longest:,} (the longest sample + the generated token), {_gib((cache + kv) * longest)} "
+            "with its KV" + ("" if sh.tc["model_type"] in AUX_OVER_PP else
+                             f"; pipeline parallel stays 1 for {sh.tc['model_type']} (the launcher refuses -pp > 1)"),
             f"server files: {len(ids)} x {h} x {per_tok // (len(ids) * h)} B = {per_tok:,} B/token in "
             f"{cfg.target.dtype}, at most {x.dump_budget_mb:,} MiB on disk at once (extract.dump_budget_mb: no new "
             "request above it), each deleted once packed into the shards"]

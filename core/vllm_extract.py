@@ -38,12 +38,23 @@ def server_configs(layer_ids: list[int], storage_dir: Path) -> dict[str, dict]:
 
 
 def server_command(model_path: str, port: int, layer_ids: list[int], storage_dir: Path, trust_remote_code: bool,
-                   extra: list[str] = ()) -> list[str]:
-    """`vllm serve ...` for extraction (argv)."""
+                   longest: int, extra: list[str] = ()) -> list[str]:
+    """`vllm serve ...` for extraction (argv). --max-model-len: the longest sample and the one token each request
+    generates, unless `extra` sets it: the hidden-state cache sits beside the KV cache on every rank
+    (`hidden_cache_bytes`), and at the model's own maximum (Kimi-K2.5: 262,144 tokens) a sequence's worth would
+    take memory no request of ours uses."""
     cmd = ["vllm", "serve", model_path, "--port", str(port)] + (["--trust-remote-code"] if trust_remote_code else [])
     for flag, value in server_configs(layer_ids, storage_dir).items():
         cmd += [flag, json.dumps(value)]
+    if "--max-model-len" not in flag_values(list(extra)):
+        cmd += ["--max-model-len", str(longest + 1)]
     return cmd + list(extra)
+
+
+def hidden_cache_bytes(layer_ids: list[int], hidden: int) -> int:
+    """Bytes a token of the hidden-state cache takes on every rank: one cache-only layer of len(ids) x hidden values,
+    in bf16 whatever the KV cache dtype (vLLM 0.33's extract_hidden_states model forces its dtype to auto)."""
+    return len(layer_ids) * hidden * 2
 
 
 def flag_values(flags: list[str]) -> dict[str, str]:

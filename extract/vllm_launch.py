@@ -20,6 +20,7 @@ from core.atomic_io import atomic_write_json
 from core.aux_layers import resolve_aux_layers
 from core.cli import parse_stage_args
 from core.config import RunConfig
+from core.plan import tokens_cap
 from core.target import target_info
 from core.vllm_extract import LAUNCH_FILE, refused_flags, server_command, vllm_layer_ids
 
@@ -35,8 +36,8 @@ def launch(cfg: RunConfig, extra: list[str]) -> tuple[list[str], list[int], str]
     info = target_info(cfg)
     ids = vllm_layer_ids(resolve_aux_layers(cfg.extract.aux_layers, info.num_layers), info.num_layers)
     port = urlparse(cfg.extract.server_url).port or 8000
-    return (server_command(str(info.path), port, ids, storage_dir(cfg), cfg.target.trust_remote_code, extra),
-            ids, info.model_type)
+    return (server_command(str(info.path), port, ids, storage_dir(cfg), cfg.target.trust_remote_code,
+                           tokens_cap(cfg), extra), ids, info.model_type)
 
 
 if __name__ == "__main__":
@@ -45,6 +46,6 @@ if __name__ == "__main__":
     cfg, _ = parse_stage_args("extract.vllm_launch", __doc__, argv=own)
     cmd, ids, model_type = launch(cfg, vllm_flags)
     if refused := refused_flags(vllm_flags, model_type):
-        sys.exit("extract.vllm_launch: error: flags that break hidden-state capture:\n  " + "\n  ".join(refused))
+        sys.exit("extract.vllm_launch: error: flags that break hidden-state capture: " + "; ".join(refused))
     atomic_write_json(storage_dir(cfg) / LAUNCH_FILE, {"layer_ids": ids, "target": cfg.target.model})
     sys.stdout.write(shlex.join(cmd) + "\n")
