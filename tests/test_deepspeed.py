@@ -88,10 +88,19 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_weights(got: dict, want: dict, atol: float) -> None:
+    """Equal within atol, except where fp32 masters that agree to their last bits round to neighbouring bf16 values
+    in the export: at most one bf16 step apart, in at most 0.1% of a tensor's elements (ZeRO-3's partitioned
+    reductions on an AVX2 CPU: 1 element of 8,192). An empty partition, a missed clip or step moves far more."""
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert tensor.numel() and got[name].shape == tensor.shape, name  # a ZeRO-3 partition would be empty
-        assert torch.allclose(got[name].float(), tensor.float(), rtol=0, atol=atol), name
+        a, b = got[name].float(), tensor.float()
+        off = (a - b).abs() > atol
+        if tensor.dtype == torch.bfloat16 and off.any():
+            step = torch.ldexp(torch.ones_like(b), torch.frexp(b)[1] - 8)  # one bf16 step at each value
+            assert ((a - b).abs() <= step)[off].all() and off.float().mean() <= 1e-3, (name, int(off.sum()))
+        else:
+            assert not off.any(), name
 
 
 def test_zero2_and_zero3_train_the_plain_runs_weights(new_run, tmp_path):
