@@ -71,8 +71,8 @@ def thinking_lengths(n: int, seed: int = 0) -> list[int]:
     return x.clamp(THINKING["low"], THINKING["high"]).long().tolist()
 
 
-def make_target(out: Path, smoke: bool) -> Path:
-    """Kimi-K2.5's config (toy widths with smoke) + random embed / lm_head / final norm in bf16."""
+def make_target(out: Path, smoke: bool, device: torch.device) -> Path:
+    """Kimi-K2.5's config (toy widths with smoke) + random embed / lm_head / final norm in bf16 (drawn on device)."""
     from safetensors.torch import save_file
 
     cfg = json.loads(KIMI.read_text())
@@ -84,9 +84,10 @@ def make_target(out: Path, smoke: bool) -> Path:
         return out
     out.mkdir(parents=True, exist_ok=True)
     h, v = text["hidden_size"], text["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    weights = {"language_model.model.embed_tokens.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16(),
-               "language_model.lm_head.weight": (torch.randn(v, h, generator=g) * h ** -0.5).bfloat16(),
+    g = torch.Generator(device=device).manual_seed(0)
+    weights = {"language_model.model.embed_tokens.weight":
+               (torch.randn(v, h, generator=g, device=device) * 0.02).bfloat16().cpu(),
+               "language_model.lm_head.weight": (torch.randn(v, h, generator=g, device=device) * h ** -0.5).bfloat16().cpu(),
                "language_model.model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -239,7 +240,7 @@ def main() -> None:
     ap.add_argument("--no-train", action="store_true", help="shards and read rates only")
     ap.add_argument("--no-step", action="store_true", help="no step-alone benchmark")
     ap.add_argument("--kill-in-checkpoint", action="store_true")
-    ap.add_argument("--disk-gib", type=float, default=2.0)
+    ap.add_argument("--disk-gib", type=float, default=1.0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny widths on the CPU")
     args = ap.parse_args()
@@ -252,7 +253,7 @@ def main() -> None:
     lengths = thinking_lengths(args.samples) if args.lengths == "thinking" else [args.length] * args.samples
     if args.smoke and args.lengths == "thinking":
         lengths = [min(t, 512) for t in lengths]
-    target = make_target(work / ("target-smoke" if args.smoke else "target"), args.smoke)
+    target = make_target(work / ("target-smoke" if args.smoke else "target"), args.smoke, device)
     name = f"run-{args.draft_attention}-{args.lengths or args.length}{'-ckpt' if args.ckpt else ''}"
     over, cfg = run_config(target, work / name, args.smoke,
                            [f"train.draft_attention={args.draft_attention}", "train.epochs=1", "train.log_every=1",
@@ -264,10 +265,10 @@ def main() -> None:
     start = time.perf_counter()
     hidden = make_shards(cfg, lengths, device)
     files = list(hidden.glob("shard-*.safetensors"))
-    rec.update(shards_s=round(time.perf_counter() - start, 1), shard_gib=round(sum(f.stat().st_size for f in files) / 2**30, 2),
+    rec.update(shards_s=round(time.perf_counter() - start, 1), shard_mib=round(sum(f.stat().st_size for f in files) / 2**20, 1),
                disk_read_gbps=round(disk_read_rate(work, args.disk_gib), 2),
                loader_read_gbps=round(loader_read_rate(hidden, cfg.train.max_len), 2))
-    print(f"shards: {rec['shard_gib']} GiB in {rec['shards_s']} s; read rates: disk {rec['disk_read_gbps']} GB/s, "
+    print(f"shards: {rec['shard_mib']:,} MiB in {rec['shards_s']} s; read rates: disk {rec['disk_read_gbps']} GB/s, "
           f"loader {rec['loader_read_gbps']} GB/s", flush=True)
     if args.kill_in_checkpoint:
         rec.update(kill_in_checkpoint(over, cfg, work))

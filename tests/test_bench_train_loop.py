@@ -19,7 +19,7 @@ def test_bench_train_loop_smoke(tmp_path):
     rec = json.loads(next(line for line in out.stdout.splitlines()
                           if line.startswith("RESULT") and '"train_loop"' in line)[len("RESULT "):])
     assert rec["samples"] == 6 and rec["tokens"] == 6 * 256
-    assert rec["shard_gib"] > 0 and rec["disk_read_gbps"] > 0 and rec["loader_read_gbps"] > 0
+    assert rec["shard_mib"] > 0 and rec["disk_read_gbps"] > 0 and rec["loader_read_gbps"] > 0
     loop = rec["loop"]
     assert loop["steps_timed"] == 5 and loop["tokens_per_s"] > 0 and loop["checkpoint"]["name"] == "step-0000006"
     assert rec["step"]["tokens_per_s"] > 0 and rec["loop_over_step"] > 0
