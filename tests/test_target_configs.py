@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from core.aux_layers import resolve_aux_layers
-from core.config import TrainKernels, check_ranges, load_config
-from core.drafter import EXPORT_EXCLUDE, DrafterConfig, Eagle3Drafter
-from core.drafter_config import MLAShape
-from core.plan import drafter_params, plan, shard_bytes_per_token, train_memory
-from core.target import read_target_config, target_info
+from core.drafters.drafter import EXPORT_EXCLUDE, DrafterConfig, Eagle3Drafter
+from core.drafters.drafter_config import MLAShape
+from core.run.config import TrainKernels, check_ranges, load_config
+from core.run.plan import drafter_params, plan, shard_bytes_per_token, train_memory
+from core.target.aux_layers import resolve_aux_layers
+from core.target.model import read_target_config, target_info
 from extract.sglang_launch import launch_vars
 from tests.conftest import ROOT, run_cli
 from tests.sglang_source import (
@@ -49,7 +49,7 @@ def test_config_validates_offline_with_the_public_shape(name, tmp_path):
 
 
 def test_a_config_without_weights_is_refused_before_loading(tmp_path):
-    from core.target import load_target
+    from core.target.model import load_target
 
     with pytest.raises(ValueError, match="no \\*.safetensors weights.*target.model="):
         load_target(target_cfg("qwen3-8b", tmp_path, "target.device=cpu"))
