@@ -241,10 +241,10 @@ MUTANTS = [
            "train/fit.py", "        done = batches_done(batches, epoch_samples, where)\n",
            "        done = batches_done(batches, epoch_samples, where) // world\n", WORLD),
     Mutant("W5", "every process starts its own W&B run (not rank 0 alone)", "train/loop.py",
-           "accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg), init_kwargs={\n"
-           "            \"wandb\": {\"dir\": str(train_dir), \"name\": cfg.name, \"mode\": tc.wandb_mode}})",
-           "__import__(\"wandb\").init(project=tc.wandb_project, config=to_dict(cfg),\n"
-           "            **{\"dir\": str(train_dir), \"name\": cfg.name, \"mode\": tc.wandb_mode})", WORLD[:1]),
+           "accelerator.init_trackers(cfg.train.wandb_project, config=to_dict(cfg), init_kwargs={\n"
+           "            \"wandb\": {\"dir\": str(train_dir), \"name\": cfg.name, \"mode\": cfg.train.wandb_mode}})",
+           "__import__(\"wandb\").init(project=cfg.train.wandb_project, config=to_dict(cfg),\n"
+           "            **{\"dir\": str(train_dir), \"name\": cfg.name, \"mode\": cfg.train.wandb_mode})", WORLD[:1]),
     Mutant("N11", "atomic writes keep the writer's 0600 mode", "core/storage/atomic_io.py",
            "        os.chmod(tmp, FILE_MODE)\n", "",
            ("tests/test_pipeline.py::test_outputs_are_readable_by_other_users",)),
