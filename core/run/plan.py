@@ -5,7 +5,7 @@
 
 Every figure is arithmetic on the config: conversations and token caps, bytes on disk, drafter
 parameters, a per-GPU memory estimate, optimizer steps. Times use the throughputs measured in
-docs/PERFORMANCE.md (`MEASURED`) for the target's shape, and say "not measured" where none was. Token
+docs/PERFORMANCE.md (core/run/measured.py) for the target's shape, and say "not measured" where none was. Token
 counts are caps (answers stop early), so bytes and hours are upper bounds. Nothing is written to the
 run dir; an embedded alias (smollm2, tiny) has its model cache built on first use, as every stage does.
 """
@@ -21,26 +21,13 @@ from urllib.parse import urlparse
 from core.drafters.drafter_config import DrafterConfig, DraftVariant, MLAShape
 from core.run.config import RunConfig, TrainConfig, TrainKernels
 from core.run.errors import UserError
+from core.run.measured import DP_EFFICIENCY, STAGE_SPEED, THINKING, TRAIN_SPEED, TrainSpeed
 from core.target.aux_layers import resolve_aux_layers, sglang_layer_ids
 from core.target.model import read_target_config, resolve_target
 from core.target.size import DTYPE_BYTES, human_bytes, target_params
 from core.target.vllm_extract import AUX_OVER_PP, hidden_cache_bytes, server_command, vllm_layer_ids
 
 GIB = 1024 ** 3
-# (stage, hidden, layers, storage or precision) -> [(tokens/s, where measured)]. Only shapes measured on
-# a real machine; a stage and shape not here prints "not measured".
-_PERF = "docs/PERFORMANCE.md"
-MEASURED = {
-    ("extract", 4096, 32, "bf16"): [(17_553, f"one H200, hf engine, Llama-3.1-8B shape; {_PERF}")],
-    ("extract", 4096, 32, "fp8_e4m3"): [(25_230, f"one H200, hf engine, Llama-3.1-8B shape; {_PERF}")],
-    ("extract", 576, 30, "bf16"): [(126_513, f"one H200, hf engine; {_PERF}"),
-                                       (600, f"2-core CPU, whole stage; {_PERF}")],
-    ("extract", 576, 30, "fp8_e4m3"): [(173_496, f"one H200, hf engine; {_PERF}")],
-    ("train", 4096, 32, "bf16"): [(28_455, f"one H200, step only (no optimizer), 8B drafter, 8192-token batches, "
-                                           f"K=7, the K-step unroll, bench_train_step; {_PERF}")],
-    ("train", 576, 30, "bf16"): [(1_400, f"2-core CPU with native bf16, K=3, 16 x 298 tokens; {_PERF}")],
-    ("train", 576, 30, "fp32"): [(700, f"2-core CPU, fp32, K=3, 16 x 298 tokens; {_PERF}")],
-}
 _STORE_BYTES = {"bf16": 2, "fp32": 4, "fp8_e4m3": 1}
 
 
@@ -149,9 +136,9 @@ def _duration(seconds: float) -> str:
 
 
 def _hours(tokens: int, key: tuple) -> str:
-    if key in MEASURED:
-        return "; ".join(f"~{_duration(tokens / rate)} at {rate:,} tok/s ({where})" for rate, where in MEASURED[key])
-    shapes = sorted({f"H {k[1]} x {k[2]} layers" for k in MEASURED if k[0] == key[0]})
+    if key in STAGE_SPEED:
+        return "; ".join(f"~{_duration(tokens / rate)} at {rate:,} tok/s ({where})" for rate, where in STAGE_SPEED[key])
+    shapes = sorted({f"H {k[1]} x {k[2]} layers" for k in STAGE_SPEED if k[0] == key[0]})
     return f"not measured for H {key[1]} x {key[2]} layers (measured: {', '.join(shapes)})"
 
 
@@ -241,6 +228,7 @@ def _train_lines(cfg: RunConfig, sh: _Shape, world_size: int) -> list[str]:
     steps = math.ceil(sh.conversations / (t.batch_size * world_size * t.grad_accum)) * t.epochs
     train_tokens = sh.conversations * min(sh.cap, t.max_len) * t.epochs
     key = ("train", sh.tc["hidden_size"], sh.tc["num_hidden_layers"], "bf16" if bf16 else "fp32")
+    speed = TRAIN_SPEED.get((sh.tc["hidden_size"], sh.tc["num_hidden_layers"], t.draft_attention)) if bf16 else None
     lines = [
         f"drafter: {trainable / 1e6:,.1f}M trainable + {frozen / 1e6:,.1f}M frozen params (hidden {dc.hidden_size}, "
         f"{_attention_shape(dc)}, MLP {dc.intermediate_size}, "
@@ -248,15 +236,44 @@ def _train_lines(cfg: RunConfig, sh: _Shape, world_size: int) -> list[str]:
         _kv_line(sh.tc, dc, t),
         f"memory per GPU ~{human_bytes(sum(mem.values()))} (estimate, {'bf16' if bf16 else 'fp32'} activations, batch "
         f"{t.batch_size} x {row} tokens, K={t.ttt_steps}): " + ", ".join(f"{k} {human_bytes(v)}" for k, v in mem.items()),
+        *_measured_memory(speed, row),
         f"disk: 2 checkpoints kept x ~{human_bytes(checkpoint)} (fp32 weights, the embedding, AdamW moments) + the drafter "
         f"export ~{human_bytes(2 * unembedded + dc.vocab_size + 8 * dc.draft_vocab_size)} (bf16, no embedding)",
         f"steps: ceil({sh.conversations:,} / ({t.batch_size} batch x {world_size} processes x {t.grad_accum} accum)) x "
         f"{t.epochs} epochs = {steps:,}",
-        f"time: {_hours(train_tokens, key)} for <= {train_tokens:,} tokens"]
+        *(_measured_time(cfg, sh, speed, world_size) if speed else
+          [f"time: {_hours(train_tokens, key)} for <= {train_tokens:,} tokens"])]
     if t.max_len < sh.cap:
         lines.append(f"WARNING: train.max_len {t.max_len:,} < {sh.cap:,}, the longest sample data_gen can write: "
                      "longer samples are cut in training (their tail's tokens never trained on)")
     return lines
+
+
+def _measured_memory(speed: TrainSpeed | None, row: int) -> list[str]:
+    """The measured peak at the longest measured length up to this row's, and whether it reaches the row."""
+    if not speed:
+        return []
+    cells = ", ".join(f"{n:,} tokens {gib:.1f} GiB" for n, gib in sorted(speed.peak_gib.items()))
+    top = max(speed.peak_gib)
+    return [f"memory per GPU measured: {cells} ({speed.where})"
+            + ("" if top >= row else f"; {row:,} tokens not measured: the estimate above holds there")]
+
+
+def _measured_time(cfg: RunConfig, sh: _Shape, speed: TrainSpeed, world_size: int) -> list[str]:
+    """Hours from the measured tokens/s by length, over the stated lengths (cut at train.max_len)."""
+    t = cfg.train
+    lengths = [min(n, t.max_len) for n in THINKING.quantiles()]
+    per_sample = speed.seconds(lengths) / len(lengths)
+    efficiency = 1.0 if world_size == 1 else DP_EFFICIENCY
+    seconds = sh.conversations * t.epochs * per_sample / (world_size * efficiency)
+    rates = ", ".join(f"{n:,}: {r:,.0f}" for n, r in sorted(speed.tokens_per_s.items()))
+    return [f"time: ~{_duration(seconds)} on {world_size} GPU(s) for {sh.conversations:,} samples x {t.epochs} epochs "
+            f"of {THINKING.what} (mean {sum(lengths) / len(lengths):,.0f} tokens, {sh.conversations * t.epochs * sum(lengths) / len(lengths):,.0f} "
+            f"tokens in all)",
+            f"  from one GPU's tokens/s by sequence length ({rates}; linear between them, the nearest outside, "
+            "which is optimistic below the shortest (a step's fixed costs weigh more there) and above the longest; "
+            f"{speed.where})" + (f" x {world_size} GPUs x {DP_EFFICIENCY:.0%} data-parallel efficiency (assumed, not "
+                                 "measured)" if world_size > 1 else "")]
 
 
 def _attention_shape(dc: DrafterConfig) -> str:
