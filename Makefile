@@ -31,7 +31,7 @@ llamacpp: setup
 # what every stage would do for CONFIG (tokens, bytes, memory, steps, hours); loads no weights.
 # One stage: python -m <stage> --config ... --dry-run. GPUs: make plan ARGS="--world-size 8"
 plan: setup
-	$(PY) -m core.plan --config $(CONFIG) $(ARGS)
+	$(PY) -m core.run.plan --config $(CONFIG) $(ARGS)
 
 generate: setup
 	$(PY) -m data_gen $(RUN_FLAGS)

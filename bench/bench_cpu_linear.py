@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Few-row fp32 products on a CPU: F.linear against core/cpu_linear.py's split, as a share of the copy bound.
+"""Few-row fp32 products on a CPU: F.linear against core/engine/cpu_linear.py's split, as a share of the copy bound.
 
     python bench/bench_cpu_linear.py [--rows 1,6,16,32,128] [--threads 2]
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.benchmark import copy_bandwidth  # noqa: E402
-from core.cpu_linear import split_linear  # noqa: E402
+from core.engine.cpu_linear import split_linear  # noqa: E402
 
 SHAPES = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536),
           "lm_head": (49152, 576), "draft head": (4096, 576), "fc": (576, 1728)}

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.config import load_config  # noqa: E402
+from core.run.config import load_config  # noqa: E402
 from data_gen.generate import main as data_gen_main  # noqa: E402
 from eval.llamacpp_server import embedded_target_server, server_threads  # noqa: E402
 

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from core.chat import eval_prompt_ids  # noqa: E402
-from core.config import load_config  # noqa: E402
-from core.decode import generate  # noqa: E402
-from core.draft_tree import TreeSpec  # noqa: E402
-from core.speculative import Drafting, speculative_generate  # noqa: E402
+from core.drafters.draft_tree import TreeSpec  # noqa: E402
+from core.engine.decode import generate  # noqa: E402
+from core.engine.speculative import Drafting, speculative_generate  # noqa: E402
+from core.run.config import load_config  # noqa: E402
+from core.target.chat import eval_prompt_ids  # noqa: E402
 from eval.run import load_engine  # noqa: E402
 
 

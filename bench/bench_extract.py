@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.benchmark import matmul_peak, sync  # noqa: E402
-from core.aux_layers import resolve_aux_layers  # noqa: E402
-from core.config import load_config  # noqa: E402
-from core.hidden_shards import ShardWriter  # noqa: E402
-from core.target import load_target, resolve_dtype, resolve_precision  # noqa: E402
+from core.run.config import load_config  # noqa: E402
+from core.storage.hidden_shards import ShardWriter  # noqa: E402
+from core.target.aux_layers import resolve_aux_layers  # noqa: E402
+from core.target.model import load_target, resolve_dtype, resolve_precision  # noqa: E402
 from extract.run import extract_hf  # noqa: E402
 
 

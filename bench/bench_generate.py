@@ -31,11 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.benchmark import copy_bandwidth, measured, sync, timed  # noqa: E402
-from core.config import load_config  # noqa: E402
-from core.decode import DecodeRun, bf16_copy, generate, left_padded, new_cache, prefill  # noqa: E402
-from core.decode_step import FUSE_MODES  # noqa: E402
-from core.errors import UserError  # noqa: E402
-from core.target import load_target  # noqa: E402
+from core.engine.decode import DecodeRun, bf16_copy, generate, left_padded, new_cache, prefill  # noqa: E402
+from core.engine.decode_step import FUSE_MODES  # noqa: E402
+from core.run.config import load_config  # noqa: E402
+from core.run.errors import UserError  # noqa: E402
+from core.target.model import load_target  # noqa: E402
 
 
 def bound_seconds(model, lengths: list[int], new: int, bandwidth: float) -> float:
@@ -159,7 +159,7 @@ def report(rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m-instruct", help="alias or local HF model dir (core/target.py)")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="alias or local HF model dir (core/target/model.py)")
     p.add_argument("--dtype", default="fp32", help="target.dtype: fp32 | bf16 | fp16")
     p.add_argument("--device", default="auto")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])

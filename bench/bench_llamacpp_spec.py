@@ -11,7 +11,7 @@ The target is the embedded SmolLM2 GGUF (Q4_1) that our fp32 target is dequantiz
 convert_hf_to_gguf.py, as the drafter is. Why both: on a few CPU cores a Q4_1 token is bound by the
 arithmetic, so verifying K+1 tokens costs about K+1 tokens; an f16 token is bound by reading its
 weights, which K+1 tokens share, as a large target's are on a GPU. τ (llama.cpp) = 1 + Δaccepted / Δdrafts from
-its /metrics counters; τ (ours) = mean tokens per verification of core.speculative.speculative_generate.
+its /metrics counters; τ (ours) = mean tokens per verification of core.engine.speculative.speculative_generate.
 Tokens/s at 1 in flight = the server's own decode timing (predicted_n / predicted_ms), summed over prompts;
 at c > 1 in flight (every server started with c slots) = output tokens / wall time of the blocks of c requests
 (prompt processing included: decode timings of overlapping requests do not add up to a throughput).
@@ -20,7 +20,7 @@ times that is the break-even τ at this K (the τ at which spec is as fast as ba
 through the K values splits it into a fixed part and a cost per drafted token (draft step + its
 share of the verification). --p-min > 0 lets llama.cpp stop drafting at an unsure draft (no draft: a
 plain decode step): fewer wasted drafts and verify rows, so its speedup can beat the fixed-K one. Its τ
-then counts only the cycles that drafted; ours stops by the same rule (core.speculative.draft_confidence) and
+then counts only the cycles that drafted; ours stops by the same rule (core.engine.speculative.draft_confidence) and
 counts the same way; only p_min 0 is fitted.
 --server-args go to every server; --spec-args are ';'-separated sets of flags for the speculative servers only,
 each set its own servers (e.g. threading flags that would also change the base server's speed, which stays
@@ -36,10 +36,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from core.chat import eval_prompt_ids  # noqa: E402
-from core.config import load_config  # noqa: E402
-from core.speculative import Drafting, acceptance_length, speculative_generate  # noqa: E402
-from core.target import (  # noqa: E402
+from core.engine.speculative import Drafting, acceptance_length, speculative_generate  # noqa: E402
+from core.run.config import load_config  # noqa: E402
+from core.target.chat import eval_prompt_ids  # noqa: E402
+from core.target.model import (  # noqa: E402
     cache_root,
     resolve_target,
 )

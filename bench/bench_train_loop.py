@@ -45,12 +45,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.aux_layers import resolve_aux_layers  # noqa: E402
-from core.config import load_config  # noqa: E402
-from core.hidden_capture import capture_compat  # noqa: E402
-from core.hidden_shards import ShardWriter  # noqa: E402
-from core.manifest import write_manifest  # noqa: E402
-from core.target import target_info  # noqa: E402
+from core.run.config import load_config  # noqa: E402
+from core.storage.hidden_shards import ShardWriter  # noqa: E402
+from core.storage.manifest import write_manifest  # noqa: E402
+from core.target.aux_layers import resolve_aux_layers  # noqa: E402
+from core.target.hidden_capture import capture_compat  # noqa: E402
+from core.target.model import target_info  # noqa: E402
 from train.data import ShardDataset, collate, read_ahead  # noqa: E402
 
 KIMI = ROOT / "configs/targets/kimi-k2.5/config.json"
@@ -159,7 +159,7 @@ def disk_read_rate(work: Path, gib: float) -> float:
 
 def loader_read_rate(hidden: Path, max_len: int) -> float:
     """GB/s of shard bytes through train's reader (read, checksums, collate), one sample a batch, out of the cache."""
-    from core.hidden_shards import HiddenShards
+    from core.storage.hidden_shards import HiddenShards
 
     shards = HiddenShards(hidden)
     files = sorted(hidden.glob("shard-*.safetensors"))

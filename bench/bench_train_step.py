@@ -50,11 +50,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.config import TrainConfig, TrainKernels, load_config  # noqa: E402
-from core.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from core.drafter_config import DraftVariant, MLAShape  # noqa: E402
-from core.plan import drafter_params  # noqa: E402
-from core.target import read_target_config  # noqa: E402
+from core.drafters.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from core.drafters.drafter_config import DraftVariant, MLAShape  # noqa: E402
+from core.run.config import TrainConfig, TrainKernels, load_config  # noqa: E402
+from core.run.plan import drafter_params  # noqa: E402
+from core.target.model import read_target_config  # noqa: E402
 from train.loop import cudnn_takes, frozen_to_matmul_dtype, make_optimizer, step_options  # noqa: E402
 from train.master_weights import weights_to_bf16  # noqa: E402
 from train.packing import pack  # noqa: E402
@@ -85,7 +85,7 @@ def target_shape(path: str, draft_attention: str, draft_vocab: int = 32000) -> d
 
 def flops_per_token(s: dict, t: int, k_steps: int, span: float | None = None) -> float:
     """span: the mean number of step-0 keys a query attends to ((t+1)/2 for one causal document). Linear layers:
-    2 FLOPs per weight (core.plan.drafter_params); attention 2 * heads * (q/k width + v width) per key."""
+    2 FLOPs per weight (core.run.plan.drafter_params); attention 2 * heads * (q/k width + v width) per key."""
     dc = drafter_config(s)
     p = drafter_params(dc)
     span = (t + 1) / 2 if span is None else span

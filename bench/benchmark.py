@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from core.config import load_config  # noqa: E402
-from core.decode import decode_one, generate, new_cache, prefill, verify  # noqa: E402
-from core.speculative import Drafting, draft_chain  # noqa: E402
-from core.target import load_target  # noqa: E402
+from core.engine.decode import decode_one, generate, new_cache, prefill, verify  # noqa: E402
+from core.engine.speculative import Drafting, draft_chain  # noqa: E402
+from core.run.config import load_config  # noqa: E402
+from core.target.model import load_target  # noqa: E402
 
 
 def sync(device):
@@ -87,7 +87,7 @@ def copy_bandwidth(device) -> float:
 def target_shaped_drafter(cfg, model, vd: int):
     """A drafter of the target's shape (train's own build_drafter) over the first `vd` token ids, its
     default aux layers -> (drafter on the model's device, target head, draft_ids, t2d)."""
-    from core.target import load_target_embeddings
+    from core.target.model import load_target_embeddings
     from train.loop import build_drafter
 
     target = load_target_embeddings(cfg)
@@ -99,7 +99,7 @@ def target_shaped_drafter(cfg, model, vd: int):
 
 
 def bench_decode(cfg, model, prompt_len=128, new=64, k=5):
-    from core.drafter import DraftCache
+    from core.drafters.drafter import DraftCache
 
     device = model.device
     prompt = torch.randint(100, 20000, (prompt_len,)).tolist()

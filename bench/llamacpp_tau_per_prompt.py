@@ -19,9 +19,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from core.chat import eval_prompt_ids  # noqa: E402
-from core.config import load_config  # noqa: E402
-from core.speculative import Drafting, speculative_generate  # noqa: E402
+from core.engine.speculative import Drafting, speculative_generate  # noqa: E402
+from core.run.config import load_config  # noqa: E402
+from core.target.chat import eval_prompt_ids  # noqa: E402
 from eval.llamacpp_server import complete, served_by_llamacpp, spec_counters  # noqa: E402
 from eval.report import common_prefix  # noqa: E402
 from eval.run import load_engine  # noqa: E402

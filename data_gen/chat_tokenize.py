@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.chat import prompt_ids
-from core.prompts import Prompt
+from core.target.chat import prompt_ids
+from core.target.prompts import Prompt
 from data_gen.chat_tokenize import ThinkingStyle, assistant_message, split_reasoning, tokenize_conversation
 from data_gen.openai_client import Reply
 

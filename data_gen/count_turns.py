@@ -7,7 +7,7 @@ Why: choosing data_gen.max_prompt_tokens / max_context_tokens for a large run. d
 whose templated first turn exceeds max_prompt_tokens, and ends one at the first later turn whose templated
 request (with the answers so far) exceeds max_context_tokens. The answers don't exist yet, so each later
 turn is counted twice: with empty answers (an upper bound) and with every answer max_new_tokens long (a
-floor). Requests are built by data_gen's own Regeneration and tokenized as data_gen does (core.chat).
+floor). Requests are built by data_gen's own Regeneration and tokenized as data_gen does (core.target.chat).
 Only the tokenizer of target.model is loaded.
 """
 
@@ -17,10 +17,10 @@ import argparse
 import sys
 from collections import Counter
 
-from core.chat import fitting_prompts, prompt_ids
-from core.config import load_config
-from core.prompts import Prompt, load_prompts
-from core.target import load_tokenizer
+from core.run.config import load_config
+from core.target.chat import fitting_prompts, prompt_ids
+from core.target.model import load_tokenizer
+from core.target.prompts import Prompt, load_prompts
 from data_gen.chat_tokenize import ThinkingStyle
 from data_gen.conversation import regenerations, replay_turns
 from data_gen.openai_client import Reply

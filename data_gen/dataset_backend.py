@@ -12,8 +12,8 @@ generation would be; a conversation ends before a kept user turn the source did 
 
 from __future__ import annotations
 
-from core.chat import prompts_ids
-from core.errors import UserError
+from core.run.errors import UserError
+from core.target.chat import prompts_ids
 from data_gen.chat_tokenize import ThinkingStyle
 from data_gen.conversation import Regeneration
 from data_gen.openai_client import Reply

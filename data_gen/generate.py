@@ -6,7 +6,7 @@
     python -m data_gen --config configs/smollm2-135m-instruct.yaml data_gen.backend=dataset  # the source's answers
     python -m data_gen --config configs/smollm2-135m-instruct.yaml data_gen.self_prompts=2000  # + its own questions
 
-Output: <run>/conversations/part-*.parquet (core/conversations.py), summary.json, manifest.json.
+Output: <run>/conversations/part-*.parquet (core/storage/conversations.py), summary.json, manifest.json.
 Rerunning resumes: conversations already in a committed part are skipped, nothing is written twice;
 conversations that failed (retries exhausted) are retried, and the run exits non-zero until none fail.
 SIGTERM (`timeout`, a scheduler's notice) stops the `hf` backend after the call in flight, with every
@@ -24,18 +24,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from core.atomic_io import atomic_write_json, remove_partial_writes
-from core.chat import fitting_prompts
-from core.config import RunConfig
-from core.conversations import done_ids, template_hash, write_part
-from core.decode import DecodeRun
-from core.decode_step import FUSE_MODES
-from core.errors import UserError
-from core.manifest import IN_PROGRESS, open_stage_dir, write_manifest
-from core.prompts import SPLIT_RULE, load_prompts
-from core.stage_lock import stage_lock
-from core.stop_signal import sigterm_requests_stop
-from core.target import end_of_turn_ids, load_target, load_tokenizer, resolve_precision, resolve_target
+from core.engine.decode import DecodeRun
+from core.engine.decode_step import FUSE_MODES
+from core.run.config import RunConfig
+from core.run.errors import UserError
+from core.run.stop_signal import sigterm_requests_stop
+from core.storage.atomic_io import atomic_write_json, remove_partial_writes
+from core.storage.conversations import done_ids, template_hash, write_part
+from core.storage.manifest import IN_PROGRESS, open_stage_dir, write_manifest
+from core.storage.stage_lock import stage_lock
+from core.target.chat import fitting_prompts
+from core.target.model import end_of_turn_ids, load_target, load_tokenizer, resolve_precision, resolve_target
+from core.target.prompts import SPLIT_RULE, load_prompts
 from data_gen.batch_pool import answer_parts
 from data_gen.chat_tokenize import TemplateError, thinking_style, tokenize_conversation
 from data_gen.conversation import Regeneration, regenerations, request_ids, to_rows
@@ -67,7 +67,7 @@ def check_options(cfg: RunConfig) -> None:
 
 def decode_options(dg, device: torch.device) -> tuple[bool, str]:
     """data_gen.compile -> (replay the hf backend's decode steps as CUDA graphs, how torch.compile fuses them:
-    "" = not compiled, "fused" or "exact"; core/decode_step.py)."""
+    "" = not compiled, "fused" or "exact"; core/engine/decode_step.py)."""
     if dg.compile == "yes" and device.type != "cuda":
         raise UserError(f"data_gen.compile = yes needs a CUDA target device (CUDA graphs), not {device}: "
                         "use data_gen.compile=auto or no")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from core.decode import EAGER, DecodeRun, Sampling, bf16_copy, generate
-from core.errors import UserError
+from core.engine.decode import EAGER, DecodeRun, Sampling, bf16_copy, generate
+from core.run.errors import UserError
 from data_gen.openai_client import Reply
 
 

@@ -16,8 +16,8 @@ import logging
 import os
 from collections import Counter
 
-from core.config import RunConfig
-from core.errors import UserError
+from core.run.config import RunConfig
+from core.run.errors import UserError
 from data_gen.chat_tokenize import ThinkingStyle
 from data_gen.conversation import Regeneration, request_ids
 from data_gen.openai_client import ChatClient, Reply, RequestRejected, Retries, RetriesExhausted

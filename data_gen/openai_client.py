@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import httpx
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529}
 REJECT_STATUS = {400, 413, 422}

@@ -20,9 +20,9 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from core.atomic_io import atomic_write_text, read_jsonl
-from core.errors import UserError
-from core.prompts import Prompt
+from core.run.errors import UserError
+from core.storage.atomic_io import atomic_write_text, read_jsonl
+from core.target.prompts import Prompt
 
 log = logging.getLogger("data_gen")
 SENTINEL = "\x00EAGLE3_USER_TURN\x00"

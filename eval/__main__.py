@@ -5,8 +5,8 @@ python -m eval compare DIR DIR [...] [--out DIR]   drafters side by side (report
 import argparse
 import sys
 
-from core.cli import parse_stage_args, run_main
-from core.config import RunConfig
+from core.run.cli import parse_stage_args, run_main
+from core.run.config import RunConfig
 from eval.run import add_eval_args, cli_overrides, main
 
 if __name__ == "__main__":

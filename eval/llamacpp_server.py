@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import httpx
 
-from core.cli import env_threads
-from core.dflash import is_dflash_dir
+from core.drafters.dflash import is_dflash_dir
+from core.run.cli import env_threads
 from eval.llamacpp import LLAMACPP_BUILD, convert_drafter, convert_to_gguf, gguf_target_layers, llamacpp_tree
 from eval.spec_counters import PROMETHEUS_PREFIX, prometheus_spec_counters
 
@@ -69,7 +69,7 @@ def _free_port() -> int:
 
 def server_threads(threads: int | None = None) -> int:
     """llama-server's compute threads (-t): `threads`, else $OMP_NUM_THREADS (the per-process thread count
-    core.cli.set_threads gives torch; `make test` sets 1), else 2. ggml's threads spin at their barriers, so
+    core.run.cli.set_threads gives torch; `make test` sets 1), else 2. ggml's threads spin at their barriers, so
     a second one on a core that another process holds loses whole time slices per op (measured: the data_gen
     llama.cpp test 46 s with -t 2, 22 s with -t 1, one of the 2 cores busy elsewhere)."""
     return threads or env_threads() or 2
@@ -174,7 +174,7 @@ def target_gguf_choice(target_gguf: str, target_name: str, target_outtype: str, 
     """The target GGUF llama.cpp serves -> (a file to use, "") or (None, the type to convert our target at):
     eval.target_gguf as given; else SmolLM2's embedded Q4_1 file (ours is dequantized from it) unless
     eval.target_outtype asks for a conversion; else a conversion at target_outtype or the drafter's outtype."""
-    from core.target import SMOLLM2, embedded_gguf_path
+    from core.target.model import SMOLLM2, embedded_gguf_path
 
     if target_gguf:
         return Path(target_gguf), ""
@@ -189,7 +189,7 @@ def served_by_llamacpp(cfg, draft_dir: Path, work_dir: Path, parallel: int):
     work_dir, start a base and a speculative llama-server with `parallel` slots, yield their URLs. From the run
     config: the model cache, the target, eval.draft_steps (K), eval.draft_p_min, eval.gguf_outtype,
     eval.target_gguf and eval.target_outtype."""
-    from core.target import cache_root, resolve_target
+    from core.target.model import cache_root, resolve_target
 
     ev, cache, target_dir = cfg.eval, cache_root(cfg), resolve_target(cfg)
     binary = server_binary(cache)
@@ -216,8 +216,8 @@ def embedded_target_server(gguf: Path | None = None, n_ctx: int = 4096, threads:
     """A llama-server of the embedded SmolLM2 GGUF (or `gguf`) on a free loopback port with `parallel` slots and
     `threads` compute threads (None: $OMP_NUM_THREADS, else 2; server_threads); yields its /v1 base URL: what
     data_gen's openai backend is pointed at (scripts/llamacpp_server.py)."""
-    from core.config import load_config
-    from core.target import cache_root, embedded_gguf_path
+    from core.run.config import load_config
+    from core.target.model import cache_root, embedded_gguf_path
 
     binary = server_binary(cache_root(load_config(None)))
     with LlamaServer(binary, gguf or embedded_gguf_path(), threads=threads, parallel=parallel, ctx=n_ctx) as url:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import matplotlib
 
-from core.atomic_io import atomic_write_json, atomic_write_text
-from core.speculative import acceptance_length
+from core.engine.speculative import acceptance_length
+from core.storage.atomic_io import atomic_write_json, atomic_write_text
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -24,19 +24,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from core import trained_prompts
-from core.chat import eval_prompt_ids
-from core.config import RunConfig, check_ranges, to_dict
-from core.cpu_linear import split_cpu_linears
-from core.decode import Sampling, generate
-from core.dflash import DFlashDrafter, dflash_generate, is_dflash_dir
-from core.draft_tree import TreeSpec
-from core.drafter import Eagle3Drafter
-from core.errors import UserError
-from core.manifest import check_compat, git_sha, read_manifest, write_manifest
-from core.speculative import Drafting, speculative_generate
-from core.stage_lock import stage_lock
-from core.target import (
+from core.drafters.dflash import DFlashDrafter, dflash_generate, is_dflash_dir
+from core.drafters.draft_tree import TreeSpec
+from core.drafters.drafter import Eagle3Drafter
+from core.engine.cpu_linear import split_cpu_linears
+from core.engine.decode import Sampling, generate
+from core.engine.speculative import Drafting, speculative_generate
+from core.run.config import RunConfig, check_ranges, to_dict
+from core.run.errors import UserError
+from core.storage import trained_prompts
+from core.storage.manifest import check_compat, git_sha, read_manifest, write_manifest
+from core.storage.stage_lock import stage_lock
+from core.target.chat import eval_prompt_ids
+from core.target.model import (
     end_of_turn_ids,
     load_target,
     load_target_embeddings,

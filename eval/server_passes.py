@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from core.atomic_io import atomic_write_json
-from core.errors import UserError
+from core.run.errors import UserError
+from core.storage.atomic_io import atomic_write_json
 from eval.server_eval import (
     level_summary,
     metrics,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -5,7 +5,7 @@ python -m extract stats [--config ... | --hidden DIR]   bytes/token of the shard
 import sys
 from pathlib import Path
 
-from core.cli import parse_stage_args, run_main
+from core.run.cli import parse_stage_args, run_main
 
 
 def stats(cfg, hidden: str | None) -> None:

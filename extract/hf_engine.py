@@ -1,5 +1,5 @@
 """In-process extraction: batches of at most a token budget, each captured by one forward
-(core/hidden_capture.py, the capture train.source=online uses too)."""
+(core/target/hidden_capture.py, the capture train.source=online uses too)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
     python -m extract --config ... --engine sglang --server http://127.0.0.1:30000   # extract.engine, server_url
     python -m extract --config ... --engine vllm --server http://127.0.0.1:8000      # stock vLLM, no patch
 
-Reads <run>/conversations, writes <run>/hidden (core/hidden_shards.py) + manifest.json.
+Reads <run>/conversations, writes <run>/hidden (core/storage/hidden_shards.py) + manifest.json.
 A rerun skips ids already in the shard index; a kill -9 loses at most the uncommitted shard.
 """
 
@@ -16,16 +16,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from core.aux_layers import resolve_aux_layers
-from core.config import RunConfig
-from core.conversations import read_conversations_for
-from core.errors import UserError
-from core.hidden_capture import capture_compat, extract_batch
-from core.hidden_shards import ShardWriter
-from core.manifest import IN_PROGRESS, open_stage_dir, write_manifest
-from core.stage_lock import stage_lock, stage_reader
-from core.target import load_final_norm, load_target, resolve_precision, target_info
-from core.vllm_extract import vllm_layer_ids
+from core.run.config import RunConfig
+from core.run.errors import UserError
+from core.storage.conversations import read_conversations_for
+from core.storage.hidden_shards import ShardWriter
+from core.storage.manifest import IN_PROGRESS, open_stage_dir, write_manifest
+from core.storage.stage_lock import stage_lock, stage_reader
+from core.target.aux_layers import resolve_aux_layers
+from core.target.hidden_capture import capture_compat, extract_batch
+from core.target.model import load_final_norm, load_target, resolve_precision, target_info
+from core.target.vllm_extract import vllm_layer_ids
 from extract.hf_engine import batches_by_tokens
 from extract.server_extract import ServerExtractor
 from extract.sglang_client import SGLangExtractor

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from core.errors import UserError
-from core.hidden_shards import SampleMismatch
+from core.run.errors import UserError
+from core.storage.hidden_shards import SampleMismatch
 
 log = logging.getLogger("extract.server")
 RID_PREFIX = "eagle3-"

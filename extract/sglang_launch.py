@@ -3,7 +3,7 @@
     python -m extract.sglang_launch --config configs/<name>.yaml [key=value ...] [-- sglang flags]
 
 Prints MODEL_PATH, REMOTE_CODE ("--trust-remote-code" when target.trust_remote_code is set, else empty), LAYER_IDS (the ids SGLang needs to capture the config's aux layers: Llama/Qwen
-files add +1, DeepSeek/Kimi only when the first id is 1; core/aux_layers.py), PORT, DUMP_DIR and
+files add +1, DeepSeek/Kimi only when the first id is 1; core/target/aux_layers.py), PORT, DUMP_DIR and
 WATCHDOG_TIMEOUT. Exits 2 naming the flag when the SGLang flags after `--` would break capture.
 """
 
@@ -13,10 +13,10 @@ import shlex
 import sys
 from urllib.parse import urlparse
 
-from core.aux_layers import resolve_aux_layers, sglang_layer_ids
-from core.cli import parse_stage_args
-from core.config import RunConfig
-from core.target import target_info
+from core.run.cli import parse_stage_args
+from core.run.config import RunConfig
+from core.target.aux_layers import resolve_aux_layers, sglang_layer_ids
+from core.target.model import target_info
 
 # models whose layers after the dense ones run without aux capture under two-batch overlap
 # (sglang/srt/models/deepseek_v2.py, forward: model_forward_stages(..., enable_tbo=True))

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from core.atomic_io import atomic_write, atomic_write_text
+from core.storage.atomic_io import atomic_write, atomic_write_text
 
 log = logging.getLogger("eagle3.sglang_plugin")
 

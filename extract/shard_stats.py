@@ -16,9 +16,9 @@ import struct
 from collections import Counter
 from pathlib import Path
 
-from core.atomic_io import read_jsonl
-from core.errors import UserError
-from core.hidden_shards import INDEX
+from core.run.errors import UserError
+from core.storage.atomic_io import read_jsonl
+from core.storage.hidden_shards import INDEX
 
 KIMI_H, KIMI_TOKENS, KIMI_GIB = 7168, 17.3e6, 924
 ELEM_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I32": 4, "U8": 1, "I64": 8}

@@ -1,6 +1,6 @@
 """extract `vllm` engine: drive a stock vLLM 0.33 server started by scripts/launch_vllm_extract.sh (no patch).
 
-Its `extract_hidden_states` method and `ExampleHiddenStatesConnector` (core/vllm_extract.py) write, per request,
+Its `extract_hidden_states` method and `ExampleHiddenStatesConnector` (core/target/vllm_extract.py) write, per request,
 `<dump_dir>/cmpl-<rid>-0[-<8 hex>].safetensors`: `hidden_states` [T, 4, H] (the three aux layers and the last
 layer's output before the final norm) and `token_ids` [T]. The writer pre-creates `<file>.lock` and holds an
 exclusive flock on it until the file is complete; its path comes back in the response's
@@ -30,8 +30,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from core.errors import UserError
-from core.vllm_extract import LAUNCH_FILE
+from core.run.errors import UserError
+from core.target.vllm_extract import LAUNCH_FILE
 from extract.server_extract import RID_PREFIX, DumpMismatch, ServerExtractor
 
 _RID_LEN = len(RID_PREFIX) + 8 + 1 + 24  # eagle3-<run tag>-<sample key>

@@ -3,7 +3,7 @@ scripts/launch_vllm_extract.sh:
 
     python -m extract.vllm_launch --config configs/<name>.yaml [key=value ...] [-- vllm flags]
 
-Prints the command, shell-quoted (core/vllm_extract.py: the layer ids in vLLM's convention, the speculative and
+Prints the command, shell-quoted (core/target/vllm_extract.py: the layer ids in vLLM's convention, the speculative and
 KV-transfer configs, --trust-remote-code when target.trust_remote_code is set), and records the layer ids in the
 storage dir (eagle3-launch.json), where the client checks them against its own config before it sends anything.
 Exits 2 naming the flag when the vLLM flags after `--` would break capture.
@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from core.atomic_io import atomic_write_json
-from core.aux_layers import resolve_aux_layers
-from core.cli import parse_stage_args
-from core.config import RunConfig
-from core.plan import tokens_cap
-from core.target import target_info
-from core.vllm_extract import LAUNCH_FILE, refused_flags, server_command, vllm_layer_ids
+from core.run.cli import parse_stage_args
+from core.run.config import RunConfig
+from core.run.plan import tokens_cap
+from core.storage.atomic_io import atomic_write_json
+from core.target.aux_layers import resolve_aux_layers
+from core.target.model import target_info
+from core.target.vllm_extract import LAUNCH_FILE, refused_flags, server_command, vllm_layer_ids
 
 
 def storage_dir(cfg: RunConfig) -> Path:

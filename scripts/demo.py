@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from core.cli import run_main, set_threads, setup_logging, stage_parser  # noqa: E402
-from core.config import load_config  # noqa: E402
-from core.errors import UserError  # noqa: E402
-from core.target import cache_root, resolve_precision  # noqa: E402
+from core.run.cli import run_main, set_threads, setup_logging, stage_parser  # noqa: E402
+from core.run.config import load_config  # noqa: E402
+from core.run.errors import UserError  # noqa: E402
+from core.target.model import cache_root, resolve_precision  # noqa: E402
 from data_gen.generate import main as data_gen_main  # noqa: E402
 from eval.llamacpp_server import cached_server_binary  # noqa: E402
 from eval.run import main as eval_main  # noqa: E402

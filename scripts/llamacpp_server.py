@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.cli import setup_logging  # noqa: E402
-from core.config import load_config  # noqa: E402
-from core.target import cache_root  # noqa: E402
+from core.run.cli import setup_logging  # noqa: E402
+from core.run.config import load_config  # noqa: E402
+from core.target.model import cache_root  # noqa: E402
 from eval.llamacpp_server import embedded_target_server, server_binary  # noqa: E402
 
 if __name__ == "__main__":

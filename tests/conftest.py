@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import load_config
+from core.run.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,7 +152,7 @@ def masked_spans(tok, ids: list[int], mask: list[int]) -> list[str]:
 
 
 def trained_next(loss_mask) -> list[bool]:
-    """The teacher-position rule, restated independently of core.hidden_shards.teacher_positions so
+    """The teacher-position rule, restated independently of core.storage.hidden_shards.teacher_positions so
     that tests check it: position j is a teacher target iff token j+1 is trained on."""
     m = [bool(x) for x in loss_mask]
     return m[1:] + [False]
@@ -169,7 +169,7 @@ def overfit_tiny(tmp_path_factory):
     own prompts τ is far above 1, so engine disagreements and decode bugs show."""
     import json
 
-    from core.conversations import read_conversations
+    from core.storage.conversations import read_conversations
 
     with built_once(tmp_path_factory, "overfit") as (root, built):
         run_dir = root / "run"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.hidden_capture import extract_batch
+from core.target.hidden_capture import extract_batch
 from extract import sglang_plugin as plugin
 from tests.loopback_http import LoopbackServer, QuietHandler
 

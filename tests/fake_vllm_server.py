@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from core.hidden_capture import capture
+from core.target.hidden_capture import capture
 from tests.loopback_http import LoopbackServer, QuietHandler
 from tests.vllm_source import hidden_states_connector, internal_request_id
 

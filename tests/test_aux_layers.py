@@ -2,7 +2,12 @@
 
 import pytest
 
-from core.aux_layers import aux_layers_from_sglang, default_aux_layers, resolve_aux_layers, sglang_layer_ids
+from core.target.aux_layers import (
+    aux_layers_from_sglang,
+    default_aux_layers,
+    resolve_aux_layers,
+    sglang_layer_ids,
+)
 from tests.sglang_source import sglang_capture_layers
 
 CASES = [("llama", "llama.py", 30, [2, 15, 27]), ("llama", "llama.py", 32, [2, 16, 29]),
@@ -41,7 +46,7 @@ def test_every_engine_reads_the_trained_layers_from_one_export(model_type, sourc
     """One config.json, two conventions: SGLang captures from eagle_config (its real rule, run here),
     llama.cpp's converter and vLLM read the top-level key as input-of-layer ids. Both must name `aux`,
     and the loader must refuse a config whose two keys disagree (an id shifted by one)."""
-    from core.drafter_config import DrafterConfig
+    from core.drafters.drafter_config import DrafterConfig
 
     c = DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, vocab_size=100, draft_vocab_size=50, target_hidden_size=64, aux_layers=aux,

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from core.target import load_tokenizer
+from core.target.model import load_tokenizer
 from data_gen.chat_tokenize import (
     TemplateError,
     assistant_message,
@@ -61,7 +61,7 @@ CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def base_tok(tmp_path_factory):
-    from core.config import load_config
+    from core.run.config import load_config
     cfg = load_config("configs/smollm2-135m-instruct.yaml", [f"run_dir={tmp_path_factory.mktemp('t')}"])
     return load_tokenizer(cfg)
 

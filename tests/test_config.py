@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from core.config import TrainConfig, check_ranges, describe, load_config
-from core.errors import UserError
+from core.run.config import TrainConfig, check_ranges, describe, load_config
+from core.run.errors import UserError
 from tests.conftest import ROOT, run_cli, run_stage
 
 
@@ -51,7 +51,7 @@ def test_help_lists_every_key():
 
 
 def test_stage_help_lists_its_own_keys_and_the_shared_ones():
-    from core.cli import stage_parser
+    from core.run.cli import stage_parser
 
     text = stage_parser("train", "doc").format_help()
     assert all(k in text for k in ("  seed =", "target.model", "train.lr", "--fresh"))
@@ -79,7 +79,7 @@ def test_one_precision_vocabulary():
 
 
 def test_check_compat_refuses_a_missing_or_different_key(tmp_path):
-    from core.manifest import check_compat
+    from core.storage.manifest import check_compat
 
     manifest = {"compat": {"target": "tiny-random-llama"}}
     check_compat(manifest, {"target": "tiny-random-llama"}, tmp_path)
@@ -124,7 +124,7 @@ def test_threads_come_from_the_key_then_omp_num_threads_then_the_idle_cores(monk
 
     import torch
 
-    from core.cli import idle_cores, set_threads
+    from core.run.cli import idle_cores, set_threads
 
     before = torch.get_num_threads()
     try:
@@ -145,7 +145,7 @@ def test_threads_come_from_the_key_then_omp_num_threads_then_the_idle_cores(monk
 
 def enum_keys(cfg=None, prefix: str = "") -> list[tuple[str, tuple]]:
     """Every config key declared with choices, sections within sections too, as (dotted key, choices)."""
-    from core.config import RunConfig
+    from core.run.config import RunConfig
 
     cfg, out = cfg if cfg is not None else RunConfig(), []
     for f in dataclasses.fields(cfg):

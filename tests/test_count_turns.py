@@ -3,10 +3,10 @@
 Run: .venv/bin/python -m pytest tests/test_count_turns.py -q
 """
 
-from core.chat import prompt_ids
-from core.config import load_config
-from core.prompts import Prompt
-from core.target import load_tokenizer
+from core.run.config import load_config
+from core.target.chat import prompt_ids
+from core.target.model import load_tokenizer
+from core.target.prompts import Prompt
 from data_gen import count_turns
 from tests.conftest import ROOT
 

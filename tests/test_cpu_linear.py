@@ -1,16 +1,16 @@
-"""Few-row Linear products split across threads (core/cpu_linear.py): F.linear's values, on the path meant."""
+"""Few-row Linear products split across threads (core/engine/cpu_linear.py): F.linear's values, on the path meant."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core import cpu_linear
-from core.chat import prompt_ids
-from core.config import load_config
-from core.cpu_linear import MAX_ROWS, SplitLinear, split_cpu_linears, split_linear
-from core.decode import generate
-from core.target import end_of_turn_ids, load_target
+from core.engine import cpu_linear
+from core.engine.cpu_linear import MAX_ROWS, SplitLinear, split_cpu_linears, split_linear
+from core.engine.decode import generate
+from core.run.config import load_config
+from core.target.chat import prompt_ids
+from core.target.model import end_of_turn_ids, load_target
 from tests.conftest import ROOT
 
 

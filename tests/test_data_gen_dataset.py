@@ -7,11 +7,11 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from core.chat import prompt_ids
-from core.config import load_config
-from core.conversations import part_files, read_conversations
-from core.prompts import load_prompts
-from core.target import load_tokenizer
+from core.run.config import load_config
+from core.storage.conversations import part_files, read_conversations
+from core.target.chat import prompt_ids
+from core.target.model import load_tokenizer
+from core.target.prompts import load_prompts
 from data_gen import generate
 from tests.conftest import ROOT, masked_spans, run_stage
 

@@ -11,11 +11,11 @@ import signal
 import pyarrow.parquet as pq
 import pytest
 
-from core.config import load_config
-from core.conversations import part_files
-from core.errors import UserError
-from core.prompts import load_prompts
-from core.target import load_target
+from core.run.config import load_config
+from core.run.errors import UserError
+from core.storage.conversations import part_files
+from core.target.model import load_target
+from core.target.prompts import load_prompts
 from data_gen import generate
 from data_gen.chat_tokenize import thinking_style
 from data_gen.conversation import regenerations, to_rows
@@ -166,7 +166,7 @@ def test_sigterm_commits_every_finished_conversation_and_a_rerun_does_only_the_r
 def test_out_of_memory_names_the_batch_and_the_knobs(monkeypatch):
     """A batch that does not fit the device ends data_gen with one line naming data_gen.batch_size, not a
     CUDA traceback (the H200 at batch 512 x 1,792-token contexts). The OOM itself is raised by a stand-in
-    for core.decode.generate: no CPU run can be made to reach it."""
+    for core.engine.decode.generate: no CPU run can be made to reach it."""
     import torch
 
     from data_gen import hf_backend

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from core.config import load_config
-from core.conversations import read_conversations
-from core.prompts import load_sharegpt
-from core.target import load_tokenizer
+from core.run.config import load_config
+from core.storage.conversations import read_conversations
+from core.target.model import load_tokenizer
+from core.target.prompts import load_sharegpt
 from data_gen.generate import main
 from eval.llamacpp_server import embedded_target_server
 from tests.conftest import ROOT, masked_spans

@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 
-from core.config import load_config
-from core.conversations import read_conversations
-from core.target import load_tokenizer
+from core.run.config import load_config
+from core.storage.conversations import read_conversations
+from core.target.model import load_tokenizer
 from data_gen.generate import main
 from data_gen.openai_client import backoff_delay, retry_after_seconds
 from tests.conftest import ROOT, masked_spans, run_stage

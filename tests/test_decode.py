@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from core.chat import prompt_ids
-from core.decode import DecodeRun, Sampling, bf16_copy, generate
-from core.drafter import DrafterConfig, Eagle3Drafter
-from core.speculative import Drafting, draft_confidence, speculative_generate
-from core.target import end_of_turn_ids, load_target
+from core.drafters.drafter import DrafterConfig, Eagle3Drafter
+from core.engine.decode import DecodeRun, Sampling, bf16_copy, generate
+from core.engine.speculative import Drafting, draft_confidence, speculative_generate
+from core.target.chat import prompt_ids
+from core.target.model import end_of_turn_ids, load_target
 from eval.report import common_prefix, summarize, write_report
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
@@ -27,7 +27,7 @@ def untrained_drafter(model, aux_layers) -> Eagle3Drafter:
 
 @pytest.fixture(scope="module", params=["tiny", "smol"])
 def target(request, tmp_path_factory):
-    from core.config import load_config
+    from core.run.config import load_config
     from tests.conftest import ROOT
 
     name = {"tiny": "tiny-random-llama", "smol": "smollm2-135m-instruct"}[request.param]
@@ -48,7 +48,7 @@ def test_bf16_prefill_continues_the_fp32_cache_correctly():
     """Prefill under bf16 autocast, decode in fp32 or on a bf16 copy of the weights (data_gen's bf16 decode)
     from the copied cache: every token SmolLM2 picks is fp32 greedy's or a near-tie with it (bf16 rounding
     flips ties: 'waves' 11.36 vs 'ocean' 11.23), where a wrong cache hand-off would pick tokens far below."""
-    from core.config import load_config
+    from core.run.config import load_config
     from tests.conftest import ROOT
 
     model, tok = load_target(load_config(ROOT / "configs/smollm2-135m-instruct.yaml"))
@@ -130,14 +130,14 @@ def test_p_min_stops_each_chain_at_the_first_unsure_draft(target, monkeypatch, t
     """Scripted confidences: with p_min 0.5 and K=3 a chain stops before the first draft under 0.5, a round
     that stops before its first draft is a plain target step (drafted 0), and the output stays greedy's.
     summarize leaves those plain steps out of τ, as llama.cpp's counters do."""
-    import core.speculative
+    import core.engine.speculative
 
     model, _, prompts, _ = target
     k, drafted = 3, [2, 0, 3, 1, 0, 3]
     n_new = 1 + sum(d + 1 for d in drafted)
     greedy = generate(model, [prompts[0]], n_new + 8, [])[0].tokens
     confidences = iter([c for d in drafted for c in [0.9] * d + ([0.2] if d < k else [])])
-    monkeypatch.setattr(core.speculative, "draft_confidence", lambda _logits: next(confidences))
+    monkeypatch.setattr(core.engine.speculative, "draft_confidence", lambda _logits: next(confidences))
     d = untrained_drafter(model, [1, 2, 3])
     right = iter([greedy[1 + sum(x + 1 for x in drafted[:r]) + j] for r, x in enumerate(drafted) for j in range(x)])
     d.draft_to_target = lambda _i: torch.tensor(next(right))  # every draft the target's own token

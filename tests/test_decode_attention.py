@@ -1,4 +1,4 @@
-"""core/decode_attention.py against stock SDPA over repeat_kv: the same attention for one query token
+"""core/engine/decode_attention.py against stock SDPA over repeat_kv: the same attention for one query token
 (GQA 9 on 3 heads, left padding, both mask formats), stock SDPA itself for longer queries, and on a
 loaded target the decode steps really go through it."""
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-import core.decode_attention
-from core.config import load_config
-from core.decode import decode_one, left_padded, new_cache, prefill
-from core.decode_attention import NAME, decode_attention_forward, grouped_decode_attention
-from core.target import load_target
+import core.engine.decode_attention
+from core.engine.decode import decode_one, left_padded, new_cache, prefill
+from core.engine.decode_attention import NAME, decode_attention_forward, grouped_decode_attention
+from core.run.config import load_config
+from core.target.model import load_target
 from tests.conftest import ROOT
 
 B, H, KVH, D, L = 4, 9, 3, 16, 24
@@ -74,8 +74,8 @@ def test_a_loaded_target_decodes_through_it_with_the_sdpa_logits(monkeypatch):
     model, _ = load_target(load_config(ROOT / "configs/tiny-random-llama.yaml"))
     assert model.config._attn_implementation == NAME
     calls = []
-    grouped = core.decode_attention.grouped_decode_attention
-    monkeypatch.setattr(core.decode_attention, "grouped_decode_attention", lambda *a: (calls.append(1), grouped(*a))[1])
+    grouped = core.engine.decode_attention.grouped_decode_attention
+    monkeypatch.setattr(core.engine.decode_attention, "grouped_decode_attention", lambda *a: (calls.append(1), grouped(*a))[1])
     ids, mask, pos = left_padded([[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]], model.device)
 
     def run() -> list[torch.Tensor]:

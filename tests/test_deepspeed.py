@@ -24,9 +24,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from core.config import TrainConfig
-from core.errors import UserError
-from core.stage_lock import LOCK_FILE
+from core.run.config import TrainConfig
+from core.run.errors import UserError
+from core.storage.stage_lock import LOCK_FILE
 from tests.conftest import ROOT, run_stage
 from train.deepspeed_config import configure_deepspeed, precision_keys
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from core.config import load_config
+from core.run.config import load_config
 from tests.conftest import ROOT
 
 

@@ -1,4 +1,4 @@
-"""DFlash block drafters (core/dflash.py, train/dflash_loss.py): what training computes for a block is what the
+"""DFlash block drafters (core/drafters/dflash.py, train/dflash_loss.py): what training computes for a block is what the
 engine computes when it drafts that block, decoding with one is lossless, the export round-trips, and SGLang
 0.5.23's own DFlash loader takes it whole. llama.cpp serving the same drafter at our engine's acceptance:
 tests/test_llamacpp_serving.py."""
@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.config import load_config
-from core.decode import generate
-from core.dflash import ContextCache, DFlashConfig, DFlashDrafter, dflash_generate, draft_block
-from core.hidden_capture import extract_batch
-from core.target import load_target
+from core.drafters.dflash import ContextCache, DFlashConfig, DFlashDrafter, dflash_generate, draft_block
+from core.engine.decode import generate
+from core.run.config import load_config
+from core.target.hidden_capture import extract_batch
+from core.target.model import load_target
 from tests.conftest import ROOT, run_stage
 from tests.sglang_source import LLAMA_FILE, SGLANG, build_sglang_dflash, check_sglang_dflash_load
 from train.dflash_loss import DFlashObjective, block_mask, draw_anchors

@@ -8,12 +8,12 @@ Either fails on an off-by-one in tokens, RoPE positions or the draft cache's rol
 import pytest
 import torch
 
-from core.chat import prompt_ids
-from core.config import load_config
-from core.decode import generate
-from core.hidden_capture import extract_batch
-from core.speculative import Drafting, speculative_generate
-from core.target import load_target, load_target_embeddings
+from core.engine.decode import generate
+from core.engine.speculative import Drafting, speculative_generate
+from core.run.config import load_config
+from core.target.chat import prompt_ids
+from core.target.hidden_capture import extract_batch
+from core.target.model import load_target, load_target_embeddings
 from tests.conftest import ROOT
 from train.draft_vocab import build_draft_vocab
 from train.loop import build_drafter

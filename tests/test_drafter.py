@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.drafter import DraftCache, DrafterConfig, Eagle3Drafter
+from core.drafters.drafter import DraftCache, DrafterConfig, Eagle3Drafter
 from tests.sglang_source import (
     EAGLE3_FILE,
     check_drafter_shapes,
@@ -271,7 +271,7 @@ def test_rope_rotates_as_transformers_llama_does():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from core.drafter import apply_rope
+    from core.drafters.drafter import apply_rope
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 7, 16, generator=g)
@@ -285,7 +285,7 @@ def test_rope_rotates_as_transformers_llama_does():
 def test_each_norm_takes_its_own_input_in_both_qkv_paths():
     """The attention input is [input_layernorm(embed(token)), hidden_norm(hidden)], each RMSNorm with its own weight,
     computed here by hand; the decode path (tokens) and TTT's (token_qkv, the token half computed once) agree."""
-    from core.drafter import apply_rope
+    from core.drafters.drafter import apply_rope
 
     d = make_drafter()
     layer = d.midlayer
@@ -395,7 +395,7 @@ def test_eagle31_flags_export_as_sglang_loads_them(tmp_path):
 def test_llamacpp_export_refuses_what_its_converter_would_ignore(tmp_path):
     """llama.cpp b11434's converter reads neither fc_norm nor norm_output: converting such a drafter would serve
     another model, so it is refused in one line naming the flags, before the converter runs."""
-    from core.errors import UserError
+    from core.run.errors import UserError
     from eval.llamacpp import convert_drafter
 
     make_eagle31_drafter().save_pretrained(tmp_path / "d")

@@ -5,8 +5,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from core.hidden_capture import extract_batch
-from core.hidden_shards import HiddenShards, ShardWriter
+from core.storage.hidden_shards import HiddenShards, ShardWriter
+from core.target.hidden_capture import extract_batch
 from extract.run import extract_hf
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.aux_layers import resolve_aux_layers
-from core.config import load_config
-from core.hidden_shards import HiddenShards
-from core.target import load_target, target_info
+from core.run.config import load_config
+from core.storage.hidden_shards import HiddenShards
+from core.target.aux_layers import resolve_aux_layers
+from core.target.model import load_target, target_info
 from tests.conftest import ROOT, holds_for, kill9_after_rows, run_stage, trained_next
 from tests.fake_sglang_server import FakeSGLangServer
 from tests.sglang_source import sglang_capture_layers, sglang_root

@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from core.config import load_config
-from core.hidden_shards import HiddenShards
-from core.target import load_target
-from core.vllm_extract import AUX_OVER_PP, LAUNCH_FILE, refused_flags, vllm_layer_ids
+from core.run.config import load_config
+from core.storage.hidden_shards import HiddenShards
+from core.target.model import load_target
+from core.target.vllm_extract import AUX_OVER_PP, LAUNCH_FILE, refused_flags, vllm_layer_ids
 from extract.vllm_client import VLLMExtractor, final_norm
 from tests.conftest import ROOT, holds_for, kill9_after_rows, run_stage
 from tests.fake_vllm_server import FakeVLLMServer

@@ -5,11 +5,11 @@ generator left where the plain loop leaves it, whatever the interval of the "eve
 import pytest
 import torch
 
-import core.decode_step
-from core.chat import prompt_ids
-from core.config import load_config
-from core.decode import DecodeRun, Sampling, decode_one, generate, new_cache, prefill
-from core.target import load_target
+import core.engine.decode_step
+from core.engine.decode import DecodeRun, Sampling, decode_one, generate, new_cache, prefill
+from core.run.config import load_config
+from core.target.chat import prompt_ids
+from core.target.model import load_target
 from data_gen.generate import decode_options, generation_settings
 from tests.conftest import ROOT
 
@@ -58,8 +58,8 @@ def stops_at(free: list[list[int]], at: dict[int, int]) -> list[int]:
 
 def count_steps(monkeypatch) -> list[int]:
     calls = []
-    step = core.decode_step.DecodeStep.__call__
-    monkeypatch.setattr(core.decode_step.DecodeStep, "__call__", lambda self, t: (calls.append(1), step(self, t))[1])
+    step = core.engine.decode_step.DecodeStep.__call__
+    monkeypatch.setattr(core.engine.decode_step.DecodeStep, "__call__", lambda self, t: (calls.append(1), step(self, t))[1])
     return calls
 
 
@@ -91,19 +91,19 @@ def test_the_loop_ends_at_the_first_check_after_every_row_stopped(tiny, monkeypa
 def test_a_cpu_prefill_in_groups_of_rows_gives_the_one_pass_logits_and_tokens(tiny, monkeypatch, rows):
     """Many prompts on a CPU are prefilled CPU_PREFILL_TOKENS at a time, each group into a scratch cache whose
     K/V then fill the static one: the one pass's last logits, and the same greedy tokens and stops after."""
-    import core.decode
+    import core.engine.decode
 
     _, prompts = tiny  # on the CPU also where a GPU is: a GPU prefills every row in one pass
     model, _ = load_target(load_config(ROOT / "configs/tiny-random-llama.yaml"), torch.device("cpu"))
     width = max(len(p) for p in prompts)
     stop = stops_at(plain_generate(model, prompts, 12, []), {0: 2, 1: 5})
     want = plain_generate(model, prompts, 12, stop)  # 4 prompts of < 100 tokens: one pass at 2048
-    ids, mask, pos = core.decode.left_padded(prompts, model.device)
+    ids, mask, pos = core.engine.decode.left_padded(prompts, model.device)
     with torch.inference_mode():
         one = prefill(model, new_cache(model, width + 4), ids, mask, pos)[0]
-        monkeypatch.setattr(core.decode, "CPU_PREFILL_TOKENS", rows * width)
-        groups, real = [], core.decode._prefill_groups
-        monkeypatch.setattr(core.decode, "_prefill_groups", lambda *a: groups.append(a[5]) or real(*a))
+        monkeypatch.setattr(core.engine.decode, "CPU_PREFILL_TOKENS", rows * width)
+        groups, real = [], core.engine.decode._prefill_groups
+        monkeypatch.setattr(core.engine.decode, "_prefill_groups", lambda *a: groups.append(a[5]) or real(*a))
         grouped = prefill(model, new_cache(model, width + 4), ids, mask, pos)[0]
     assert groups == [rows]
     assert one.std() > 0.1  # logits of this scale: a row mixed up with another would be off by ~one.std()
@@ -160,14 +160,14 @@ def test_fused_decode_steps_run_compiled_and_write_the_plain_loops_tokens(tiny, 
     import torch._dynamo
 
     model, prompts = tiny
-    monkeypatch.setattr(core.decode_step, "FUSE_BACKEND", "aot_eager")
-    core.decode_step._fused_forward.cache_clear()
+    monkeypatch.setattr(core.engine.decode_step, "FUSE_BACKEND", "aot_eager")
+    core.engine.decode_step._fused_forward.cache_clear()
     torch._dynamo.reset()
     stop = stops_at(plain_generate(model, prompts, 12, []), {0: 3})
     want = plain_generate(model, prompts, 12, stop)
     for _ in range(2):  # a second call reuses the compiled step
         assert [g.tokens for g in generate(model, prompts, 12, stop, run=DecodeRun(fuse="fused"))] == want
-    assert core.decode_step._fused_forward.cache_info().misses == 1
+    assert core.engine.decode_step._fused_forward.cache_info().misses == 1
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # a graph was captured, not skipped
 
 
@@ -179,17 +179,17 @@ def test_a_finished_call_frees_its_cache_at_once(tiny, monkeypatch, fuse):
     import gc
     import weakref
 
-    import core.decode
+    import core.engine.decode
 
     model, prompts = tiny
-    monkeypatch.setattr(core.decode_step, "FUSE_BACKEND", "aot_eager")
+    monkeypatch.setattr(core.engine.decode_step, "FUSE_BACKEND", "aot_eager")
     made = []
 
     def recorded(model, length):
         made.append(cache := new_cache(model, length))
         return cache
 
-    monkeypatch.setattr(core.decode, "new_cache", recorded)
+    monkeypatch.setattr(core.engine.decode, "new_cache", recorded)
     if fuse:  # compiling holds the first call's cache in dynamo's own cyclic garbage: once, not per batch
         generate(model, prompts, 6, [], run=DecodeRun(fuse=fuse))
     gc.collect()
@@ -219,8 +219,8 @@ def test_exact_fusion_leaves_what_inductor_rounds_differently_to_aten(monkeypatc
         graphs.append({str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")})
         return gm.forward
 
-    monkeypatch.setattr(core.decode_step, "FUSE_BACKEND", recording)
-    core.decode_step._fused_forward.cache_clear()
+    monkeypatch.setattr(core.engine.decode_step, "FUSE_BACKEND", recording)
+    core.engine.decode_step._fused_forward.cache_clear()
     torch._dynamo.reset()
     assert [g.tokens for g in generate(model, prompts, 6, [], run=DecodeRun(fuse="exact"))] == want
     ops = set().union(*graphs)
@@ -232,8 +232,8 @@ def test_exact_fusion_leaves_what_inductor_rounds_differently_to_aten(monkeypatc
 def test_exact_fusion_refuses_a_target_with_norms_it_does_not_keep_eager(tiny):
     """A LayerNorm would be fused and round differently: "exact" refuses such a target instead of writing
     tokens that part from the eager loop's."""
-    from core.decode_step import DecodeStep, eager_rounding_modules
-    from core.errors import UserError
+    from core.engine.decode_step import DecodeStep, eager_rounding_modules
+    from core.run.errors import UserError
 
     model, prompts = tiny
     assert eager_rounding_modules(model)  # the tiny Llama: RMSNorms only

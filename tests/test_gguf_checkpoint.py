@@ -1,4 +1,4 @@
-"""core.gguf_checkpoint writes what transformers' own GGUF loading + save_pretrained writes for the
+"""core.target.gguf_checkpoint writes what transformers' own GGUF loading + save_pretrained writes for the
 embedded SmolLM2 GGUF: the same tensors bit for bit, config, generation config, tokenizer and logits;
 the tokenizer differs only where it splits digits as llama.cpp does (tests/test_tokenizer_parity.py)."""
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.config import load_config
-from core.gguf_checkpoint import convert_gguf_to_hf
-from core.target import cache_root, embedded_gguf_path
+from core.run.config import load_config
+from core.target.gguf_checkpoint import convert_gguf_to_hf
+from core.target.model import cache_root, embedded_gguf_path
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from core.hidden_shards import INDEX, HiddenShards, ShardWriter, shard_name
+from core.storage.hidden_shards import INDEX, HiddenShards, ShardWriter, shard_name
 from tests.conftest import trained_next
 
 H = 8
@@ -157,8 +157,8 @@ def test_engine_rows_of_other_tokens_are_rejected(tmp_path):
 def test_write_safetensors_is_read_by_safetensors_itself(tmp_path):
     from safetensors.torch import load_file
 
-    from core.fp8_rows import FP8
-    from core.hidden_shards import write_safetensors
+    from core.storage.fp8_rows import FP8
+    from core.storage.hidden_shards import write_safetensors
 
     tensors = {"aux": torch.randn(5, 6).bfloat16(), "f32": torch.randn(3), "q": torch.randn(4, 2).to(FP8),
                "ids": torch.arange(7, dtype=torch.int32), "mask": torch.tensor([1, 0, 1], dtype=torch.uint8),

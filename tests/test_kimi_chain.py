@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.config import load_config
-from core.conversations import part_files
-from core.hidden_shards import HiddenShards, teacher_positions
-from core.target import SMOLLM2, load_target, load_tokenizer, resolve_target
+from core.run.config import load_config
+from core.storage.conversations import part_files
+from core.storage.hidden_shards import HiddenShards, teacher_positions
+from core.target.model import SMOLLM2, load_target, load_tokenizer, resolve_target
 from extract.sglang_launch import launch_vars
 from tests.conftest import ROOT, run_stage
 from tests.fake_openai_server import FakeOpenAIServer

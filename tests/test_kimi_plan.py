@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from core.config import load_config
-from core.plan import check_target_fits, format_plan, target_params
-from core.target import read_target_config, resolve_target, text_model_config
+from core.run.config import load_config
+from core.run.plan import format_plan
+from core.target.model import check_target_fits, read_target_config, resolve_target, text_model_config
+from core.target.size import target_params
 from tests.conftest import ROOT, run_stage
 
 

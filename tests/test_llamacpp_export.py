@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.config import load_config
-from core.drafter import DrafterConfig, Eagle3Drafter
-from core.target import cache_root, resolve_target
+from core.drafters.drafter import DrafterConfig, Eagle3Drafter
+from core.run.config import load_config
+from core.target.model import cache_root, resolve_target
 from eval.llamacpp import convert_drafter, gguf_norm_before_fc, gguf_target_layers, llamacpp_tree
 from tests.conftest import ROOT
 from tests.sglang_source import sglang_capture_layers

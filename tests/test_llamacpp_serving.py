@@ -20,8 +20,8 @@ import shutil
 
 import pytest
 
-from core.chat import eval_prompt_ids
-from core.target import cache_root, load_tokenizer, resolve_target
+from core.target.chat import eval_prompt_ids
+from core.target.model import cache_root, load_tokenizer, resolve_target
 from eval.llamacpp import convert_drafter, gguf_target_layers, llamacpp_tree
 from eval.llamacpp_server import LlamaServer, SpecDraft, server_binary
 from eval.server_eval import run_level
@@ -206,10 +206,10 @@ def test_p_min_reaches_llamacpp_and_keeps_its_outputs(served):
 
 def test_llamacpp_stops_drafting_where_our_engine_stops_at_p_min(served):
     """eval.draft_p_min in both engines: llama.cpp ends a chain at a draft whose probability (softmax over its
-    top 10) is below p_min, ours by the same rule (core.speculative.draft_confidence). Per prompt whose greedy text
+    top 10) is below p_min, ours by the same rule (core.engine.speculative.draft_confidence). Per prompt whose greedy text
     both engines share, the drafts llama.cpp verified and accepted (timings.draft_n, draft_n_accepted) must
     equal ours on >= 90% of them, and p_min must have stopped chains in both (so the rule is exercised)."""
-    from core.speculative import Drafting, speculative_generate
+    from core.engine.speculative import Drafting, speculative_generate
     from eval.run import load_engine
 
     cfg, run_dir, prompts, report = served
@@ -233,7 +233,7 @@ def test_target_gguf_choice_follows_the_eval_keys(tmp_path):
     """eval.target_gguf wins; SmolLM2 serves its embedded Q4_1 file unless eval.target_outtype asks for a
     conversion (the f32 target is where a drafter pays on a CPU); other targets convert at that type or at
     the drafter's eval.gguf_outtype."""
-    from core.target import SMOLLM2, embedded_gguf_path
+    from core.target.model import SMOLLM2, embedded_gguf_path
     from eval.llamacpp_server import target_gguf_choice
 
     given = tmp_path / "t.gguf"

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from core.config import TrainKernels, load_config
+from core.run.config import TrainKernels, load_config
 from tests.conftest import ROOT, run_cli
 from train.master_weights import MasterWeightAdamW, weights_to_bf16
 
@@ -84,7 +84,7 @@ def test_state_dict_carries_the_masters_so_a_resumed_optimizer_steps_identically
 
 
 def test_train_builds_the_master_weight_optimizer_for_bf16_weights():
-    from core.config import TrainConfig
+    from core.run.config import TrainConfig
     from train.loop import make_optimizer
 
     w = [torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)]
@@ -96,7 +96,7 @@ def test_train_builds_the_master_weight_optimizer_for_bf16_weights():
 
 def test_fused_adamw_steps_as_the_foreach_one():
     """The fused optimizer train builds takes the steps the default (foreach) AdamW takes, to rounding."""
-    from core.config import TrainConfig
+    from core.run.config import TrainConfig
     from train.loop import make_optimizer
 
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def test_fused_adamw_steps_as_the_foreach_one():
 
 
 def test_weights_to_bf16_leaves_buffers():
-    from core.drafter import DrafterConfig, Eagle3Drafter
+    from core.drafters.drafter import DrafterConfig, Eagle3Drafter
 
     d = Eagle3Drafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                                     head_dim=16, vocab_size=100, draft_vocab_size=20, target_hidden_size=32))

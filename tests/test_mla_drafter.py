@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from core.drafter import DraftCache, DrafterConfig, Eagle3Drafter
-from core.drafter_config import MLAShape
-from core.errors import UserError
+from core.drafters.drafter import DraftCache, DrafterConfig, Eagle3Drafter
+from core.drafters.drafter_config import MLAShape
+from core.run.errors import UserError
 from tests.sglang_source import (
     MLA_FILE,
     _compile_method,

@@ -6,9 +6,9 @@ flex has no CPU backward)."""
 import pytest
 import torch
 
-from core.config import RunConfig, TrainConfig, TrainKernels
-from core.drafter import Eagle3Drafter
-from core.errors import UserError
+from core.drafters.drafter import Eagle3Drafter
+from core.run.config import RunConfig, TrainConfig, TrainKernels
+from core.run.errors import UserError
 from tests.test_ttt_fast_paths import TOL, drafter
 from train import ttt_attention
 from train.fit import Fit, TeacherHead, batch_loss

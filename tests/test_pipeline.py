@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.atomic_io import FILE_MODE
-from core.config import load_config
-from core.conversations import read_conversations
-from core.hidden_shards import HiddenShards
-from core.target import load_target
+from core.run.config import load_config
+from core.storage.atomic_io import FILE_MODE
+from core.storage.conversations import read_conversations
+from core.storage.hidden_shards import HiddenShards
+from core.target.model import load_target
 from tests.conftest import ROOT, run_stage
 from tests.sglang_source import check_drafter_tensor_names, sglang_capture_layers
 from tests.vllm_source import aux_layer_ids, build_vllm_eagle3, check_vllm_load, draft_hf_config, serve_alone

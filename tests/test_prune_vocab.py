@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.drafter import DraftCache, Eagle3Drafter
+from core.drafters.drafter import DraftCache, Eagle3Drafter
 from tests.sglang_source import check_drafter_tensor_names, run_sglang_load_weights
 from tests.test_drafter import VD, B, T, batch, make_drafter
 from train.draft_vocab import COUNTS_FILE, counts_record

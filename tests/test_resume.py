@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.conversations import read_conversations
-from core.hidden_shards import INDEX, HiddenShards
-from core.stage_lock import LOCK_FILE
+from core.storage.conversations import read_conversations
+from core.storage.hidden_shards import INDEX, HiddenShards
+from core.storage.stage_lock import LOCK_FILE
 from tests.conftest import ROOT, run_stage
 
 

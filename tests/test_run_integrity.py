@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.drafter import DrafterConfig, Eagle3Drafter
-from core.errors import UserError
-from core.hidden_shards import INDEX
-from core.stage_lock import LOCK_FILE
+from core.drafters.drafter import DrafterConfig, Eagle3Drafter
+from core.run.errors import UserError
+from core.storage.hidden_shards import INDEX
+from core.storage.stage_lock import LOCK_FILE
 from tests.conftest import ROOT, run_stage, wait_until
 
 
@@ -169,7 +169,7 @@ def test_a_second_train_in_the_same_run_dir_fails_at_once_naming_the_first(run):
 def test_a_stage_does_not_read_what_its_upstream_is_still_writing(run):
     """A writer at work on conversations/ (its lock held, as data_gen holds it): extract and online train stop at
     once naming it, before reading a part."""
-    from core.stage_lock import stage_lock
+    from core.storage.stage_lock import stage_lock
 
     run_dir, flags = run
     with stage_lock(run_dir / "conversations", "data_gen"):
@@ -204,7 +204,7 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
 def test_non_utf8_prompt_file_names_file_and_line(tmp_path, mode):
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(b'{"prompt": "hello there"}\n{"prompt": "caf\xe9"}\n{"prompt": "fine"}\n')
-    from core.prompts import load_prompt_file
+    from core.target.prompts import load_prompt_file
 
     if mode == "strict":
         with pytest.raises(UserError, match=rf"{prompts}:2: not UTF-8 text \(byte 0xe9\)"):
@@ -268,7 +268,7 @@ def test_full_disk_is_one_line_and_keeps_what_was_committed(tmp_path):
     stderr = log.read_text()
     assert "rc=1" in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert "data_gen: error:" in stderr and "the disk is full" in stderr
-    from core.conversations import read_conversations
+    from core.storage.conversations import read_conversations
 
     conv = out / "run" / "conversations"
     parts = sorted(conv.glob("part-*.parquet"))
@@ -336,7 +336,7 @@ def test_a_part_removed_by_hand_is_regenerated_without_overwriting_another(tmp_p
     (conv / (parts[1].name + ".sha256")).unlink()
     run_stage("data_gen", *f)
     assert parts[-1].read_bytes() == last
-    from core.conversations import read_conversations
+    from core.storage.conversations import read_conversations
     ids = read_conversations(conv)["conversation_id"]
     assert len(ids) == 12 and len(set(ids)) == 12
 
@@ -361,7 +361,7 @@ def test_eval_on_training_prompts_says_so_first(run, overfit_tiny, tmp_path):
 def test_a_speculative_output_that_differs_by_one_token_makes_the_report_say_no(run, monkeypatch, tmp_path):
     """The lossless check, tested by a planted mismatch: the speculative engine's answer to one prompt with one
     token changed must make report.json's outputs_match_baseline false, name that prompt, and the report say no."""
-    from core.config import load_config
+    from core.run.config import load_config
     from eval import run as eval_run
 
     run_dir, flags = run

@@ -5,11 +5,11 @@ scripted sampler (a test double); and the whole of data_gen with the real SmolLM
 import pyarrow.parquet as pq
 import pytest
 
-from core.atomic_io import read_jsonl
-from core.chat import prompt_ids
-from core.config import load_config
-from core.errors import UserError
-from core.target import load_tokenizer
+from core.run.config import load_config
+from core.run.errors import UserError
+from core.storage.atomic_io import read_jsonl
+from core.target.chat import prompt_ids
+from core.target.model import load_tokenizer
 from data_gen import generate
 from data_gen.self_prompts import MAX_BATCH_FACTOR, self_prompts, user_header
 from tests.conftest import ROOT

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from core.errors import UserError
+from core.run.errors import UserError
 from eval.report import write_report
 from eval.spec_counters import counter_window, per_request_tau, prometheus_spec_counters, sglang_window
 from tests.conftest import ROOT, run_stage

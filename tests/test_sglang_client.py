@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from core.aux_layers import resolve_aux_layers
-from core.config import load_config
-from core.errors import UserError
-from core.target import load_target, target_info
+from core.run.config import load_config
+from core.run.errors import UserError
+from core.target.aux_layers import resolve_aux_layers
+from core.target.model import load_target, target_info
 from extract import sglang_plugin as plugin
 from extract.sglang_client import SGLangExtractor
 from tests.conftest import ROOT

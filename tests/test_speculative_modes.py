@@ -11,14 +11,20 @@ from collections import Counter
 import pytest
 import torch
 
-import core.speculative as speculative
-from core.chat import eval_prompt_ids
-from core.decode import Sampling, generate
-from core.draft_tree import TreeSpec
-from core.drafter import Eagle3Drafter
-from core.errors import UserError
-from core.speculative import Drafting, speculative_generate
-from core.target import end_of_turn_ids, load_target, load_target_embeddings, load_tokenizer, target_info
+import core.engine.speculative as speculative
+from core.drafters.draft_tree import TreeSpec
+from core.drafters.drafter import Eagle3Drafter
+from core.engine.decode import Sampling, generate
+from core.engine.speculative import Drafting, speculative_generate
+from core.run.errors import UserError
+from core.target.chat import eval_prompt_ids
+from core.target.model import (
+    end_of_turn_ids,
+    load_target,
+    load_target_embeddings,
+    load_tokenizer,
+    target_info,
+)
 from tests.conftest import ROOT, run_stage
 
 

@@ -8,12 +8,13 @@ import json
 import pytest
 import torch
 
-from core.aux_layers import resolve_aux_layers
-from core.config import TrainKernels, check_ranges, load_config
-from core.drafter import EXPORT_EXCLUDE, DrafterConfig, Eagle3Drafter
-from core.drafter_config import MLAShape
-from core.plan import drafter_params, plan, shard_bytes_per_token, train_memory
-from core.target import read_target_config, target_info
+from core.drafters.drafter import EXPORT_EXCLUDE, DrafterConfig, Eagle3Drafter
+from core.drafters.drafter_config import MLAShape
+from core.run.config import TrainKernels, check_ranges, load_config
+from core.run.measured import THINKING, TRAIN_SPEED
+from core.run.plan import drafter_params, plan, shard_bytes_per_token, train_memory
+from core.target.aux_layers import resolve_aux_layers
+from core.target.model import read_target_config, target_info
 from extract.sglang_launch import launch_vars
 from tests.conftest import ROOT, run_cli
 from tests.sglang_source import (
@@ -49,7 +50,7 @@ def test_config_validates_offline_with_the_public_shape(name, tmp_path):
 
 
 def test_a_config_without_weights_is_refused_before_loading(tmp_path):
-    from core.target import load_target
+    from core.target.model import load_target
 
     with pytest.raises(ValueError, match="no \\*.safetensors weights.*target.model="):
         load_target(target_cfg("qwen3-8b", tmp_path, "target.device=cpu"))
@@ -173,8 +174,17 @@ def plan_line(p: dict, stage: str, start: str) -> str:
 
 
 def test_plan_times_only_measured_shapes(tmp_path):
-    kimi = plan(target_cfg("kimi-k2.5", tmp_path))
-    assert "not measured" in plan_line(kimi, "extract", "time:") and "not measured" in plan_line(kimi, "train", "time:")
+    cfg = target_cfg("kimi-k2.5", tmp_path)
+    kimi = plan(cfg, world_size=8)
+    assert "not measured" in plan_line(kimi, "extract", "time:")
+    # Kimi's drafter: hours from its measured tokens/s by length, summed over the stated lengths, 8 GPUs at 90%
+    speed, lengths = TRAIN_SPEED[(7168, 61, "gqa")], THINKING.quantiles()
+    assert speed.rate(3072) == (speed.tokens_per_s[2048] + speed.tokens_per_s[4096]) / 2
+    assert speed.rate(100) == speed.tokens_per_s[2048] and speed.rate(10**6) == speed.tokens_per_s[4096]
+    seconds = 16000 * 10 * sum(n / speed.rate(n) for n in lengths) / len(lengths) / (8 * 0.9)
+    took = f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds / 60:,.1f} min"
+    assert plan_line(kimi, "train", "time:").startswith(f"time: ~{took} on 8 GPU(s) for 16,000 samples x 10")
+    assert abs(sum(lengths) / len(lengths) - 1730) < 30  # the hand-patched run's mean, within the cut's effect
     llama = plan(target_cfg("llama-3.1-8b-instruct", tmp_path))
     tokens = 16000 * (4096 + 1024)
     assert f"~{tokens / 17_553 / 3600:,.1f} h at 17,553 tok/s" in plan_line(llama, "extract", "time:")

@@ -9,11 +9,11 @@ import matplotlib.image
 import pytest
 import torch
 
-from core.atomic_io import read_jsonl
-from core.chat import eval_prompt_ids
-from core.drafter import Eagle3Drafter
-from core.errors import UserError
-from core.target import load_target_embeddings, load_tokenizer, target_info
+from core.drafters.drafter import Eagle3Drafter
+from core.run.errors import UserError
+from core.storage.atomic_io import read_jsonl
+from core.target.chat import eval_prompt_ids
+from core.target.model import load_target_embeddings, load_tokenizer, target_info
 from eval.run import hf_eval
 from tests.conftest import ROOT
 from train.tau_probe import TauProbe

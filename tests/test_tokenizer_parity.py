@@ -1,15 +1,15 @@
 """Our target tokenizer makes the ids llama.cpp makes (`/tokenize` of the real llama-server b11434 on
 the embedded GGUF), on real text: ShareGPT prompts and answers, code, numbers, chat markup. A drafter
 trained on our ids is served on llama.cpp's, so one differing id is a sequence the drafter never saw.
-Before the digit fix in core/gguf_checkpoint.py, 444 of 3,000 ShareGPT texts differed ("\\n\\n1")."""
+Before the digit fix in core/target/gguf_checkpoint.py, 444 of 3,000 ShareGPT texts differed ("\\n\\n1")."""
 
 import random
 
 import httpx
 import pytest
 
-from core.prompts import load_sharegpt
-from core.target import cache_root, embedded_gguf_path, load_tokenizer
+from core.target.model import cache_root, embedded_gguf_path, load_tokenizer
+from core.target.prompts import load_sharegpt
 from eval.llamacpp_server import LlamaServer, server_binary
 from tests.test_gguf_checkpoint import CHAT, TEXTS
 

@@ -2,7 +2,7 @@
 
 On the same conversations with the same seed, online training must train the drafter offline training
 trains on fp32 shards (extract.dtype=fp32: bf16 shards would round aux/final, online captures are
-not rounded), because both capture with core/hidden_capture.py and feed the same collate/teacher/TTT
+not rounded), because both capture with core/target/hidden_capture.py and feed the same collate/teacher/TTT
 path. Tiny random target, CPU, stages in-process.
 """
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.config import load_config
-from core.errors import UserError
-from core.target import load_target_embeddings, target_info
+from core.run.config import load_config
+from core.run.errors import UserError
+from core.target.model import load_target_embeddings, target_info
 from tests.conftest import ROOT
 from train.data import ShardSource, collate
 from train.online import OnlineSource
@@ -108,7 +108,7 @@ def test_online_writes_no_shards_and_records_its_source(runs):
 def test_online_dflash_trains_what_offline_dflash_trains(runs, tmp_path):
     """train.drafter=dflash reads its aux states and teacher from the online captures as from the shards: the
     same losses and accuracies step by step, and a DFlash export."""
-    from core.dflash import is_dflash_dir
+    from core.drafters.dflash import is_dflash_dir
     from train.loop import main as train
 
     offline, _ = runs
@@ -184,7 +184,7 @@ def test_online_resumes_after_a_crash_to_the_same_drafter(runs, tmp_path, monkey
 
 def test_epoch_drafters_are_each_epochs_weights_in_the_export_format(runs):
     """train.epoch_drafters: epochs 1-5 of a 6-epoch run, each a loadable drafter of its own weights."""
-    from core.drafter import Eagle3Drafter
+    from core.drafters.drafter import Eagle3Drafter
     from eval.run import drafter_manifest
     from train.draft_vocab import COUNTS_FILE
 

@@ -10,9 +10,9 @@ import re
 import pytest
 import torch
 
-from core.config import load_config
-from core.drafter import DrafterConfig, Eagle3Drafter
-from core.drafter_config import MLAShape
+from core.drafters.drafter import DrafterConfig, Eagle3Drafter
+from core.drafters.drafter_config import MLAShape
+from core.run.config import load_config
 from train import ttt_attention
 from train.draft_head_loss import draft_head_loss
 from train.ttt_attention import (
@@ -244,8 +244,8 @@ def test_ttt_loss_with_flex_attention_equals_dense(monkeypatch):
 def test_step_options_name_the_setting_that_cannot_run():
     """train.kernels -> the step's options: auto picks the fastest path measured for the device, the drafter and
     the rows; settings that cannot run stop before any training with the setting's name."""
-    from core.config import TrainKernels
-    from core.errors import UserError
+    from core.run.config import TrainKernels
+    from core.run.errors import UserError
     from train.loop import step_options
 
     def dc(hidden=4096, head_dim=128):
@@ -298,7 +298,7 @@ def test_merged_attention_checks_itself_against_the_dense_path_and_names_what_is
     """train/attention_check.py: on a correct kernel (CPU, fp32) every gradient agrees and the check passes; with
     the diagonal terms dropped, as a broken kernel might, it stops with the parameter and the limit. The caller's
     RNG is left as it was (training's data order and init must not depend on whether the kernel was checked)."""
-    from core.errors import UserError
+    from core.run.errors import UserError
     from train import attention_check
     from train import ttt_loss as module
 

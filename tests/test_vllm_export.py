@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from core.drafter import DraftCache, DrafterConfig, Eagle3Drafter
-from core.drafter_config import MLAShape, Verifier
-from core.errors import UserError
+from core.drafters.drafter import DraftCache, DrafterConfig, Eagle3Drafter
+from core.drafters.drafter_config import MLAShape, Verifier
+from core.run.errors import UserError
 from tests.vllm_source import (
     aux_layer_ids,
     build_vllm_eagle3,

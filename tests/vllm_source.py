@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from core.drafter_config import SPECULATORS_VERSION
+from core.drafters.drafter_config import SPECULATORS_VERSION
 from tests.engine_source import SourceTree, cached_package
 from tests.stand_in_layers import LoadRecord, SiluAndMul, load_problems, stand_in_layers
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from core.cli import parse_stage_args, run_main
+from core.run.cli import parse_stage_args, run_main
 from train.loop import main
 
 if __name__ == "__main__":

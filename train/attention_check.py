@@ -12,9 +12,9 @@ import logging
 
 import torch
 
-from core.drafter import DrafterConfig, Eagle3Drafter
-from core.drafter_config import MLAShape
-from core.errors import UserError
+from core.drafters.drafter import DrafterConfig, Eagle3Drafter
+from core.drafters.drafter_config import MLAShape
+from core.run.errors import UserError
 from train.ttt_loss import Rows, StepOptions, teacher_targets, ttt_loss
 
 log = logging.getLogger("train")

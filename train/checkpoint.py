@@ -19,8 +19,8 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from core.atomic_io import atomic_write_json, atomic_write_text, honour_umask, read_jsonl
-from core.errors import UserError
+from core.run.errors import UserError
+from core.storage.atomic_io import atomic_write_json, atomic_write_text, honour_umask, read_jsonl
 
 log = logging.getLogger("train")
 LATEST = "latest.json"

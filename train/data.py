@@ -19,11 +19,11 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from core.config import RunConfig
-from core.errors import UserError
-from core.hidden_shards import HiddenShards, decode_hidden, teacher_positions
-from core.manifest import check_compat, read_finished_manifest
-from core.target import TargetHead
+from core.run.config import RunConfig
+from core.run.errors import UserError
+from core.storage.hidden_shards import HiddenShards, decode_hidden, teacher_positions
+from core.storage.manifest import check_compat, read_finished_manifest
+from core.target.model import TargetHead
 from train.ttt_loss import teacher_argmax
 
 AUX_RMS_SAMPLES = 128  # aux_rms reads the first this many samples (sorted ids)

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from core.config import TrainConfig
-from core.errors import UserError
+from core.run.config import TrainConfig
+from core.run.errors import UserError
 
 
 def deepspeed_stage(accelerator: Accelerator) -> int | None:

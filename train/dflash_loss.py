@@ -1,4 +1,4 @@
-"""DFlash's training objective (core/dflash.py), on the same batches and teacher as EAGLE-3's TTT.
+"""DFlash's training objective (core/drafters/dflash.py), on the same batches and teacher as EAGLE-3's TTT.
 
 Per sample, up to `anchors` anchor positions a are drawn (from the batch's own random stream) among those whose next
 token is trained on. Each anchor's block is [x_a, mask x (B-1)] at positions a .. a+B-1; its rows see the context
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from core.dflash import DFlashDrafter
+from core.drafters.dflash import DFlashDrafter
 from train.draft_head_loss import draft_head_loss
 
 

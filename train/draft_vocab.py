@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 
 def token_counts(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> torch.Tensor:

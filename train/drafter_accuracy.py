@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from core.cli import DEFAULT_CONFIG, set_threads
-from core.config import RunConfig, load_config
-from core.drafter import Eagle3Drafter
-from core.errors import UserError
-from core.hidden_shards import HiddenShards, decode_hidden
-from core.manifest import check_compat, read_manifest
-from core.target import load_target_embeddings, target_info
+from core.drafters.drafter import Eagle3Drafter
+from core.run.cli import DEFAULT_CONFIG, set_threads
+from core.run.config import RunConfig, load_config
+from core.run.errors import UserError
+from core.storage.hidden_shards import HiddenShards, decode_hidden
+from core.storage.manifest import check_compat, read_manifest
+from core.target.model import load_target_embeddings, target_info
 from train.data import ShardDataset, collate, precompute_argmax
 from train.ttt_loss import Rows, teacher_targets, ttt_loss
 

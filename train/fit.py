@@ -19,9 +19,9 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm import tqdm
 
-from core.atomic_io import append_jsonl
-from core.config import RunConfig
-from core.errors import UserError
+from core.run.config import RunConfig
+from core.run.errors import UserError
+from core.storage.atomic_io import append_jsonl
 from train.checkpoint import LATEST, save_checkpoint
 from train.data import length_grouped_batches, slot_batches
 from train.packing import pack

@@ -23,16 +23,16 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import set_seed
 
-from core import trained_prompts
-from core.atomic_io import atomic_write_json, read_jsonl
-from core.config import RunConfig, TrainConfig, TrainKernels, to_dict
-from core.dflash import DFlashConfig, DFlashDrafter
-from core.drafter import DrafterConfig, Eagle3Drafter
-from core.drafter_config import DraftVariant
-from core.errors import UserError
-from core.manifest import open_stage_dir, write_manifest
-from core.stage_lock import stage_lock, stage_reader
-from core.target import (
+from core.drafters.dflash import DFlashConfig, DFlashDrafter
+from core.drafters.drafter import DrafterConfig, Eagle3Drafter
+from core.drafters.drafter_config import DraftVariant
+from core.run.config import RunConfig, TrainConfig, TrainKernels, to_dict
+from core.run.errors import UserError
+from core.storage import trained_prompts
+from core.storage.atomic_io import atomic_write_json, read_jsonl
+from core.storage.manifest import open_stage_dir, write_manifest
+from core.storage.stage_lock import stage_lock, stage_reader
+from core.target.model import (
     TargetHead,
     load_target_embeddings,
     read_target_config,
@@ -315,22 +315,64 @@ def check_weight_precision(kernels: TrainKernels, accelerator: Accelerator) -> N
 
 
 def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool) -> Path:
-    tc = cfg.train
-    dflash = tc.drafter == "dflash"
-    # the settings' checks, before any manifest is written: a corrected rerun needs no --fresh
-    check_weight_precision(tc.kernels, accelerator)
-    if dflash:
-        check_dflash_run(tc, accelerator)
-    else:
-        check_draft_vocab_size(tc.draft_vocab_size, target_info(cfg).vocab_size)
-        dc = drafter_config(cfg, [], tc.draft_vocab_size)
-        options = step_options(tc.kernels, accelerator.device, dc)
-        if options.attention == "merged":  # its gradients against the dense path's, on this device
-            check_merged_attention(accelerator.device, mla=dc.mla is not None)
+    """A run's launch: its settings checked, the drafter built (or resumed), the epochs, the export."""
+    options = check_run(cfg, accelerator)  # before any manifest is written: a corrected rerun needs no --fresh
     source = make_source(cfg, accelerator.device)
     settings, runtime = open_run(cfg, accelerator, source, fresh)
     accelerator.wait_for_everyone()
     set_seed(cfg.seed)
+    built = build(cfg, accelerator, source, options)
+    opt = make_optimizer([p for p in built.objective.parameters() if p.requires_grad], cfg.train)
+    objective, opt, at, step_batches, accum = resume(cfg, accelerator, train_dir, built.objective, opt)
+    if cfg.train.wandb_mode != "disabled":  # the mode travels with the run, not through a process-wide env var
+        accelerator.init_trackers(cfg.train.wandb_project, config=to_dict(cfg), init_kwargs={
+            "wandb": {"dir": str(train_dir), "name": cfg.name, "mode": cfg.train.wandb_mode}})
+    export_at = exporter_of(accelerator, objective,
+                            Exporter(cfg, source, built.coverage, settings, runtime, built.records))
+    probe = TauProbe(cfg, source.model if cfg.train.source == "online" and cfg.train.tau_every else None)  # one copy
+    f = Fit(cfg=cfg, accelerator=accelerator, objective=objective, opt=opt, source=source, ds=built.ds, probe=probe,
+            head=built.head, train_dir=train_dir, step_batches=step_batches, accum=accum, export=export_at)
+    step, stopped = fit(f, *at)
+    if accelerator.device.type == "cuda":
+        log.info("peak GPU memory of this process: %.2f GiB", torch.cuda.max_memory_allocated(accelerator.device) / 2**30)
+    if stopped:
+        log.info("stopped after %d steps of this launch (train.stop_after): rerun to continue from step %d, "
+                 "on any number of processes", cfg.train.stop_after, step)
+    else:
+        export_at(step)  # before end_training: ZeRO-3 gathers the weights over the process group it ends
+    accelerator.end_training()
+    return cfg.run_path / "drafter"
+
+
+def check_run(cfg: RunConfig, accelerator: Accelerator) -> StepOptions | None:
+    """The settings' checks that need no data -> the EAGLE-3 step's options on this device (None for DFlash)."""
+    tc = cfg.train
+    check_weight_precision(tc.kernels, accelerator)
+    if tc.drafter == "dflash":
+        check_dflash_run(tc, accelerator)
+        return None
+    check_draft_vocab_size(tc.draft_vocab_size, target_info(cfg).vocab_size)
+    dc = drafter_config(cfg, [], tc.draft_vocab_size)
+    options = step_options(tc.kernels, accelerator.device, dc)
+    if options.attention == "merged":  # its gradients against the dense path's, on this device
+        check_merged_attention(accelerator.device, mla=dc.mla is not None)
+    return options
+
+
+@dataclass
+class Built:
+    """What a launch trains: the objective around the drafter, its teacher head, the dataset, and the records
+    the export writes beside the weights (draft-token counts, trained prompts) with the draft vocab's coverage."""
+    objective: torch.nn.Module
+    head: TeacherHead
+    ds: object
+    records: dict[str, dict]
+    coverage: float
+
+
+def build(cfg: RunConfig, accelerator: Accelerator, source, options: StepOptions | None) -> Built:
+    """The draft vocab from the data's assistant tokens, the drafter on the target's embedding and head."""
+    tc, dflash = cfg.train, cfg.train.drafter == "dflash"
     target = load_target_embeddings(cfg)
     prompts: set[str] = set()
     counts = token_counts(trained_prompts.collect(source.token_pairs(), prompts), target.embed.shape[0])
@@ -345,31 +387,32 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
         drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target)
         head = ready_drafter(cfg, accelerator, drafter, source, target.lm_head[draft_ids], t2d)
         objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, options)
-    ds = source.dataset(target, head.draft_head.dtype, tc.loss_on_prompt)
-    opt = make_optimizer([p for p in objective.parameters() if p.requires_grad], tc)
-    ckpt_root = train_dir / "checkpoints"
-    latest = read_latest(accelerator, ckpt_root)
-    step_batches, accum = batches_per_step(accelerator, latest, tc)
-    configure_deepspeed(accelerator, tc, accum, autocast_of(accelerator))  # before prepare builds the engine
-    objective, opt = accelerator.prepare(objective, opt)
-    register_external_weights(accelerator.unwrap_model(objective), accelerator)
-    step, epoch, epoch_samples = 0, 0, 0
-    logs = [train_dir / "metrics.jsonl", train_dir / "samples.jsonl", train_dir / "throughput.jsonl"]
-    if latest:
-        load_checkpoint(accelerator, ckpt_root, latest, logs)
-        step, epoch, epoch_samples = latest["step"], latest["epoch"], latest["epoch_samples"]
-    else:
-        trim_logs(accelerator, logs, 0)
-    if tc.wandb_mode != "disabled":  # the mode travels with the run, not through a process-wide env var
-        accelerator.init_trackers(tc.wandb_project, config=to_dict(cfg), init_kwargs={
-            "wandb": {"dir": str(train_dir), "name": cfg.name, "mode": tc.wandb_mode}})
     records = {COUNTS_FILE: counts_record(draft_ids, counts[draft_ids], "assistant tokens of the training samples"),
                trained_prompts.FILE: trained_prompts.record(prompts)}
+    return Built(objective, head, source.dataset(target, head.draft_head.dtype, tc.loss_on_prompt), records, coverage)
 
-    exporter = Exporter(cfg, source, coverage, settings, runtime, records)
 
+def resume(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, objective, opt):
+    """Prepared for this launch's processes (DeepSpeed configured first), from the latest checkpoint if any ->
+    (objective, opt, (step, epoch, samples of the epoch done), the run's batches per step, this launch's accum)."""
+    ckpt_root = train_dir / "checkpoints"
+    latest = read_latest(accelerator, ckpt_root)
+    step_batches, accum = batches_per_step(accelerator, latest, cfg.train)
+    configure_deepspeed(accelerator, cfg.train, accum, autocast_of(accelerator))  # before prepare builds the engine
+    objective, opt = accelerator.prepare(objective, opt)
+    register_external_weights(accelerator.unwrap_model(objective), accelerator)
+    logs = [train_dir / "metrics.jsonl", train_dir / "samples.jsonl", train_dir / "throughput.jsonl"]
+    if not latest:
+        trim_logs(accelerator, logs, 0)
+        return objective, opt, (0, 0, 0), step_batches, accum
+    load_checkpoint(accelerator, ckpt_root, latest, logs)
+    return objective, opt, (latest["step"], latest["epoch"], latest["epoch_samples"]), step_batches, accum
+
+
+def exporter_of(accelerator: Accelerator, objective, exporter: Exporter):
+    """-> export_at(step, epoch=None): every rank calls it (ZeRO-3 gathers the weights from all of them); the main
+    process writes."""
     def export_at(step: int, epoch: int | None = None) -> None:
-        """Every rank calls it (ZeRO-3 gathers the weights from all of them); the main process writes."""
         state, drafter = full_state_dict(accelerator, objective), accelerator.unwrap_model(objective).drafter
         if not accelerator.is_main_process:
             return
@@ -378,19 +421,7 @@ def train(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, fresh: bool
             drafter.load_state_dict(state)
         exporter(drafter, step, epoch)
 
-    probe = TauProbe(cfg, source.model if tc.source == "online" and tc.tau_every else None)  # one target copy
-    f = Fit(cfg=cfg, accelerator=accelerator, objective=objective, opt=opt, source=source, ds=ds, probe=probe,
-            head=head, train_dir=train_dir, step_batches=step_batches, accum=accum, export=export_at)
-    step, stopped = fit(f, step, epoch, epoch_samples)
-    if accelerator.device.type == "cuda":
-        log.info("peak GPU memory of this process: %.2f GiB", torch.cuda.max_memory_allocated(accelerator.device) / 2**30)
-    if stopped:
-        log.info("stopped after %d steps of this launch (train.stop_after): rerun to continue from step %d, "
-                 "on any number of processes", tc.stop_after, step)
-    else:
-        export_at(step)  # before end_training: ZeRO-3 gathers the weights over the process group it ends
-    accelerator.end_training()
-    return cfg.run_path / "drafter"
+    return export_at
 
 
 def check_dflash_run(tc: TrainConfig, accelerator: Accelerator) -> None:
@@ -426,7 +457,7 @@ def ready_drafter(cfg: RunConfig, accelerator: Accelerator, drafter: Eagle3Draft
                   t2d: torch.Tensor) -> TeacherHead:
     """The drafter's aux preconditioner from the data, its weights in the precision they train in; -> the
     teacher's head on the device. draft_rows [Vd,H]: the target lm_head's rows of the draft vocab."""
-    # per aux feature: the raw RMS is train.aux_noise's unit; the preconditioner is fc's input's (core/drafter.py)
+    # per aux feature: the raw RMS is train.aux_noise's unit; the preconditioner is fc's input's (core/drafters/drafter.py)
     normed = drafter.config.norm_before_fc or drafter.config.fc_norm
     raw_rms, fc_input_rms = aux_rms(source.aux_samples(), str(source.dir), drafter.fc_input if normed else None)
     with torch.no_grad():

@@ -3,7 +3,7 @@ hidden states (aux + final) straight from data_gen's conversations, so no shards
 
     python -m train --config configs/<name>.yaml train.source=online
 
-The capture is extract's (core/hidden_capture.py) with extract's keys (extract.aux_layers,
+The capture is extract's (core/target/hidden_capture.py) with extract's keys (extract.aux_layers,
 extract.mixed_precision; the target in target.dtype on the training device, one copy per process),
 so online and offline training read the same tensors, except that offline shards store them in
 extract.dtype, and that aux_rms reads the first samples cut at train.max_len (as trained; offline
@@ -22,14 +22,13 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset
 
-from core.aux_layers import resolve_aux_layers
-from core.config import RunConfig
-from core.conversations import read_conversations_for
-from core.errors import UserError
-from core.hidden_capture import capture, capture_compat
-from core.hidden_shards import ids_sha256, teacher_positions
-from core.plan import check_target_fits
-from core.target import TargetHead, load_target, resolve_precision, target_info
+from core.run.config import RunConfig
+from core.run.errors import UserError
+from core.storage.conversations import read_conversations_for
+from core.storage.hidden_shards import ids_sha256, teacher_positions
+from core.target.aux_layers import resolve_aux_layers
+from core.target.hidden_capture import capture, capture_compat
+from core.target.model import TargetHead, check_target_fits, load_target, resolve_precision, target_info
 from train.data import AUX_RMS_SAMPLES, collate
 from train.deepspeed_config import whole_modules
 from train.ttt_loss import teacher_argmax

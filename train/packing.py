@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 
 def next_fit(lengths: list[int], pack_length: int) -> list[tuple[int, int, int, int]]:

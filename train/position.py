@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.atomic_io import atomic_write_json
-from core.cli import run_main, setup_logging
-from core.config import load_config
-from core.errors import UserError
-from core.manifest import MANIFEST, check_compat, fingerprint, read_manifest
-from core.target import load_tokenizer, target_info
+from core.run.cli import run_main, setup_logging
+from core.run.config import load_config
+from core.run.errors import UserError
+from core.storage.atomic_io import atomic_write_json
+from core.storage.manifest import MANIFEST, check_compat, fingerprint, read_manifest
+from core.target.model import load_tokenizer, target_info
 from train.draft_vocab import COUNTS_FILE, counts_record, most_frequent, prune_draft_vocab, target_ids_of
 
 log = logging.getLogger("train")
@@ -38,7 +38,7 @@ SHAREGPT_SOURCE = "ShareGPT train-split assistant answers (original text), token
 
 def sharegpt_counts(cfg, vocab_size: int) -> torch.Tensor:
     """Counts of each target id over ShareGPT's train-split assistant answers: [V]."""
-    from core.prompts import load_prompts
+    from core.target.prompts import load_prompts
 
     tok = load_tokenizer(cfg)
     texts = [m["content"] for p in load_prompts("sharegpt", "train", cfg.data_gen.heldout_percent)

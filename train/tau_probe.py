@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from core.chat import eval_prompt_ids
-from core.config import RunConfig
-from core.cpu_linear import split_cpu_linears
-from core.drafter import Eagle3Drafter
-from core.speculative import Drafting, acceptance_length, speculative_generate
-from core.target import end_of_turn_ids, load_target, load_tokenizer
+from core.drafters.drafter import Eagle3Drafter
+from core.engine.cpu_linear import split_cpu_linears
+from core.engine.speculative import Drafting, acceptance_length, speculative_generate
+from core.run.config import RunConfig
+from core.target.chat import eval_prompt_ids
+from core.target.model import end_of_turn_ids, load_target, load_tokenizer
 
 
 class TauProbe:

@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from core.drafter import Eagle3Drafter
-from core.hidden_shards import teacher_positions
+from core.drafters.drafter import Eagle3Drafter
+from core.storage.hidden_shards import teacher_positions
 from train.draft_head_loss import draft_head_loss
 from train.ttt_attention import (
     compiled,

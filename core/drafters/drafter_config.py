@@ -1,6 +1,6 @@
 """A drafter's config.json: the fields SGLang (LlamaForCausalLMEagle3), vLLM and llama.cpp's converter read,
 written by `DrafterConfig.to_sglang` and read back by `from_sglang`. The engines disagree on what aux layer
-ids mean (core/aux_layers.py) and on where `norm_before_fc` lives, so the config writes each engine's key and
+ids mean (core/target/aux_layers.py) and on where `norm_before_fc` lives, so the config writes each engine's key and
 refuses a file whose keys would make two engines serve different models.
 
 An MLA drafter (`mla` set) is SGLang 0.5.23's Eagle3DeepseekV2ForCausalLM (srt/models/kimi_k25_eagle3.py): the
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
-from core.aux_layers import aux_layers_from_sglang, sglang_layer_ids
-from core.errors import UserError
+from core.run.errors import UserError
+from core.target.aux_layers import aux_layers_from_sglang, sglang_layer_ids
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class DraftVariant(NamedTuple):
 
     @classmethod
     def of(cls, tc: dict, train) -> DraftVariant:
-        """The variant a run's `train` section (core.config.TrainConfig) asks for on the target `tc`."""
+        """The variant a run's `train` section (core.run.config.TrainConfig) asks for on the target `tc`."""
         mla = MLAShape.for_target(tc, asdict(train.mla)) if train.draft_attention == "mla" else None
         return cls(train.norm_before_fc, train.fc_norm, train.norm_output, mla)
 
@@ -102,7 +102,7 @@ class DrafterConfig:
     def for_target(cls, tc: dict, aux_layers: list[int], draft_vocab_size: int,
                    variant: DraftVariant = PLAIN_EAGLE3) -> DrafterConfig:
         """The drafter train builds for a target: one layer of the target's width, heads and MLP (tc =
-        core.target.read_target_config: a MoE target's dense MLP width), Llama GQA or MLA."""
+        core.target.model.read_target_config: a MoE target's dense MLP width), Llama GQA or MLA."""
         shape = target_layer_shape(tc)
         return cls(
             **shape, vocab_size=tc["vocab_size"], draft_vocab_size=draft_vocab_size,
@@ -242,7 +242,7 @@ class DrafterConfig:
 
 
 def target_layer_shape(tc: dict) -> dict:
-    """A draft layer of the target's own shape (core.target.read_target_config: a MoE target's dense MLP width):
+    """A draft layer of the target's own shape (core.target.model.read_target_config: a MoE target's dense MLP width):
     width, MLP, heads, head dim, RoPE base and context, as both drafter families build it."""
     hidden, heads = tc["hidden_size"], tc["num_attention_heads"]
     rope = tc.get("rope_parameters") or {}

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.drafter import DraftCache, Eagle3Drafter
-from core.errors import UserError
+from core.drafters.drafter import DraftCache, Eagle3Drafter
+from core.run.errors import UserError
 
 
 @dataclass
@@ -77,7 +77,7 @@ class DraftTree:
 def draft_tree(drafter: Eagle3Drafter, logits: torch.Tensor, hidden: torch.Tensor, m: int, spec: TreeSpec,
                cache: DraftCache) -> DraftTree:
     """Grow the tree from the drafter's output at position m-1 (logits [1,Vd], hidden [1,1,H]); a node at
-    depth d is fed back at drafter position m+d-1, as chain draft d is (core.speculative.draft_chain).
+    depth d is fed back at drafter position m+d-1, as chain draft d is (core.engine.speculative.draft_chain).
     Returns the `spec.total` best nodes. The cache holds the expanded nodes afterwards: roll it back."""
     device = hidden.device
     tree = DraftTree()

@@ -19,9 +19,9 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from core.atomic_io import atomic_write
-from core.errors import UserError
-from core.manifest import check_compat, read_finished_manifest
+from core.run.errors import UserError
+from core.storage.atomic_io import atomic_write
+from core.storage.manifest import check_compat, read_finished_manifest
 
 FEATURES = datasets.Features({
     "id": datasets.Value("string"),

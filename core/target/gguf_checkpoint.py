@@ -19,7 +19,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 _TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}

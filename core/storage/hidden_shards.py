@@ -9,7 +9,7 @@ Integrity: `crc32` holds a checksum of each stored tensor's rows of the sample, 
 read: a flipped byte in aux or final stops training naming the shard and sample instead of training on
 garbage (`sha256` of input_ids is the sample's identity).
 
-Storage options: dtype bf16 (default) | fp32 | fp8_e4m3 (core/fp8_rows.py, ~0.5x bf16), and
+Storage options: dtype bf16 (default) | fp32 | fp8_e4m3 (core/storage/fp8_rows.py, ~0.5x bf16), and
 spans all (M = N) | loss: final rows only at the positions whose teacher distribution the loss reads
 (j with loss_mask[j+1] = 1); aux stays on every token because the drafter attends over the prompt.
 The reader hides both: it returns aux [T, 3H] and final [T, H] (zeros where final was not stored).
@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from core.atomic_io import append_jsonl, atomic_write, read_jsonl, remove_partial_writes, repair_jsonl
-from core.errors import UserError
-from core.fp8_rows import FP8, dequantize_rows, quantize_rows
+from core.run.errors import UserError
+from core.storage.atomic_io import append_jsonl, atomic_write, read_jsonl, remove_partial_writes, repair_jsonl
+from core.storage.fp8_rows import FP8, dequantize_rows, quantize_rows
 
 log = logging.getLogger(__name__)
 

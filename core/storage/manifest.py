@@ -18,10 +18,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from core.atomic_io import atomic_write_json
-from core.config import RunConfig, to_dict
-from core.errors import UserError
-from core.stage_lock import LOCK_FILE
+from core.run.config import RunConfig, to_dict
+from core.run.errors import UserError
+from core.storage.atomic_io import atomic_write_json
+from core.storage.stage_lock import LOCK_FILE
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"

@@ -1,5 +1,5 @@
 """One batched decode step over static buffers, run eagerly or replayed as a CUDA graph
-(core/decode.py `generate`; data_gen.compile switches the graph on).
+(core/engine/decode.py `generate`; data_gen.compile switches the graph on).
 
 Why a CUDA graph: a decode step of a small target is hundreds of small kernels launched one by one
 from Python through HF's 30-layer forward, so on a GPU it costs the launches, not the math.
@@ -29,7 +29,7 @@ import functools
 import torch
 from transformers import StaticCache
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 FUSE_BACKEND = "inductor"  # the CPU test traces with "aot_eager": the same capture, no kernel generation
 FUSE_MODES = ("", "fused", "exact")  # "": no torch.compile

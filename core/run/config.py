@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 # One precision vocabulary for every key: weights (target.dtype), autocast (*.mixed_precision), storage
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -168,7 +168,7 @@ class TrainMLA:
 
 @dataclass
 class TrainDFlash:
-    """A DFlash block drafter (train.drafter = dflash, core/dflash.py): Qwen3-style layers drafting a block in one
+    """A DFlash block drafter (train.drafter = dflash, core/drafters/dflash.py): Qwen3-style layers drafting a block in one
     pass from the target's aux states, with the target's own embedding and LM head."""
     block_size: int = _f(8, "tokens per block: the last accepted token and block_size - 1 masks, so at most "
                             "block_size - 1 drafts per verification (eval.draft_steps is capped there)", ge=2)

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 
 def _fsync_dir(path: Path) -> None:

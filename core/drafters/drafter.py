@@ -49,9 +49,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from core.atomic_io import atomic_write, atomic_write_json
-from core.drafter_config import DrafterConfig, Verifier
-from core.errors import UserError
+from core.drafters.drafter_config import DrafterConfig, Verifier
+from core.run.errors import UserError
+from core.storage.atomic_io import atomic_write, atomic_write_json
 
 # SGLang and eval take the embedding from the target; aux_scale is folded into fc.weight.
 EXPORT_EXCLUDE = ("embed_tokens.weight", "aux_scale")

@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 LOCK_FILE = ".lock"
 

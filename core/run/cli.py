@@ -1,6 +1,6 @@
 """The command line every stage shares: --config, --run-dir, --fresh and `key=value` overrides.
 
-User errors (core.errors.UserError, and the OS refusing a write: disk full, read-only dir, no
+User errors (core.run.errors.UserError, and the OS refusing a write: disk full, read-only dir, no
 permission, no such file) print one line and exit non-zero; anything else is a bug and keeps
 its traceback.
 """
@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from core.config import RunConfig, check_ranges, describe, load_config
-from core.errors import UserError
+from core.run.config import RunConfig, check_ranges, describe, load_config
+from core.run.errors import UserError
 
 STAGES = ("data_gen", "extract", "train", "eval")
 RESUMABLE = ("data_gen", "extract", "train")
@@ -78,8 +78,8 @@ def parse_stage_args(prog: str, doc: str, extend=None, argv=None, apply=None) ->
 
 
 def dry_run(parser: argparse.ArgumentParser, prog: str, cfg: RunConfig, args: argparse.Namespace) -> None:
-    """Print the stage's plan (core/plan.py; every stage for the demo runner) and exit 0."""
-    from core.plan import format_plan
+    """Print the stage's plan (core/run/plan.py; every stage for the demo runner) and exit 0."""
+    from core.run.plan import format_plan
 
     section = prog.split()[0] if prog.split()[0] in STAGES else None
     try:

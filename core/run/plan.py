@@ -1,11 +1,11 @@
 """What each stage would do for a config, from the target's config.json alone (no weights, no network):
 
     python -m data_gen --config configs/kimi-k2.5.yaml --dry-run           # one stage (any stage takes it)
-    python -m core.plan --config configs/kimi-k2.5.yaml --world-size 8    # all four (= make plan)
+    python -m core.run.plan --config configs/kimi-k2.5.yaml --world-size 8    # all four (= make plan)
 
 Every figure is arithmetic on the config: conversations and token caps, bytes on disk, drafter
 parameters, a per-GPU memory estimate, optimizer steps. Times use the throughputs measured in
-docs/PERFORMANCE.md (`MEASURED`) for the target's shape, and say "not measured" where none was. Token
+docs/PERFORMANCE.md (core/run/measured.py) for the target's shape, and say "not measured" where none was. Token
 counts are caps (answers stop early), so bytes and hours are upper bounds. Nothing is written to the
 run dir; an embedded alias (smollm2, tiny) has its model cache built on first use, as every stage does.
 """
@@ -18,30 +18,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from core.aux_layers import resolve_aux_layers, sglang_layer_ids
-from core.config import RunConfig, TrainConfig, TrainKernels
-from core.drafter_config import DrafterConfig, DraftVariant, MLAShape
-from core.errors import UserError
-from core.target import read_target_config, resolve_target
-from core.vllm_extract import AUX_OVER_PP, hidden_cache_bytes, server_command, vllm_layer_ids
+from core.drafters.drafter_config import DrafterConfig, DraftVariant, MLAShape
+from core.run.config import RunConfig, TrainConfig, TrainKernels
+from core.run.errors import UserError
+from core.run.measured import DP_EFFICIENCY, STAGE_SPEED, THINKING, TRAIN_SPEED, TrainSpeed
+from core.target.aux_layers import resolve_aux_layers, sglang_layer_ids
+from core.target.model import read_target_config, resolve_target
+from core.target.size import DTYPE_BYTES, human_bytes, target_params
+from core.target.vllm_extract import AUX_OVER_PP, hidden_cache_bytes, server_command, vllm_layer_ids
 
 GIB = 1024 ** 3
-# (stage, hidden, layers, storage or precision) -> [(tokens/s, where measured)]. Only shapes measured on
-# a real machine; a stage and shape not here prints "not measured".
-_PERF = "docs/PERFORMANCE.md"
-MEASURED = {
-    ("extract", 4096, 32, "bf16"): [(17_553, f"one H200, hf engine, Llama-3.1-8B shape; {_PERF}")],
-    ("extract", 4096, 32, "fp8_e4m3"): [(25_230, f"one H200, hf engine, Llama-3.1-8B shape; {_PERF}")],
-    ("extract", 576, 30, "bf16"): [(126_513, f"one H200, hf engine; {_PERF}"),
-                                       (600, f"2-core CPU, whole stage; {_PERF}")],
-    ("extract", 576, 30, "fp8_e4m3"): [(173_496, f"one H200, hf engine; {_PERF}")],
-    ("train", 4096, 32, "bf16"): [(28_455, f"one H200, step only (no optimizer), 8B drafter, 8192-token batches, "
-                                           f"K=7, the K-step unroll, bench_train_step; {_PERF}")],
-    ("train", 576, 30, "bf16"): [(1_400, f"2-core CPU with native bf16, K=3, 16 x 298 tokens; {_PERF}")],
-    ("train", 576, 30, "fp32"): [(700, f"2-core CPU, fp32, K=3, 16 x 298 tokens; {_PERF}")],
-}
 _STORE_BYTES = {"bf16": 2, "fp32": 4, "fp8_e4m3": 1}
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def conversations(cfg: RunConfig) -> int:
@@ -57,64 +44,13 @@ def tokens_cap(cfg: RunConfig) -> int:
 
 def shard_bytes_per_token(hidden: int, dtype: str) -> int:
     """Bytes of one token in a hidden shard: input_ids int32 + loss_mask uint8 + aux [3H] + final [H],
-    plus one fp32 scale per layer group (3 aux + 1 final) when stored as fp8 (core/hidden_shards.py)."""
+    plus one fp32 scale per layer group (3 aux + 1 final) when stored as fp8 (core/storage/hidden_shards.py)."""
     scales = 4 * 4 if dtype == "fp8_e4m3" else 0
     return 4 + 1 + 4 * hidden * _STORE_BYTES[dtype] + scales
 
 
-def target_params(tc: dict) -> int:
-    """Parameters of the target's language model from its config (core.target.read_target_config): GQA or MLA
-    attention (DeepSeek-V3 / Kimi: q/kv LoRA ranks), dense or MoE MLPs (routed + shared experts after
-    `first_k_dense_replace` dense layers), norms, embedding and head (once when tied). Arithmetic, so a 1T
-    target costs nothing to plan (tests/test_kimi_plan.py checks it against transformers' own modules;
-    Qwen3 adds its per-head q/k norms)."""
-    h, heads, layers, vocab = tc["hidden_size"], tc["num_attention_heads"], tc["num_hidden_layers"], tc["vocab_size"]
-    if tc.get("kv_lora_rank"):
-        qk, qr, kvr = tc["qk_nope_head_dim"] + tc["qk_rope_head_dim"], tc.get("q_lora_rank"), tc["kv_lora_rank"]
-        q = h * qr + qr + qr * heads * qk if qr else h * heads * qk  # (+ the q LoRA norm)
-        attn = (q + h * (kvr + tc["qk_rope_head_dim"]) + kvr + kvr * heads * (tc["qk_nope_head_dim"] + tc["v_head_dim"])
-                + heads * tc["v_head_dim"] * h)
-    else:
-        d = tc.get("head_dim") or h // heads
-        kv = tc.get("num_key_value_heads") or heads
-        attn = h * heads * d + 2 * h * kv * d + heads * d * h + (2 * d if tc["model_type"].startswith("qwen3") else 0)
-    dense_mlp = 3 * h * tc["intermediate_size"]
-    experts = tc.get("n_routed_experts") or 0
-    moe_layers = layers - (tc.get("first_k_dense_replace") or 0) if experts else 0
-    moe_mlp = (experts + (tc.get("n_shared_experts") or 0)) * 3 * h * tc.get("moe_intermediate_size", 0) \
-        + experts * h + (experts if tc.get("topk_method") == "noaux_tc" else 0)  # router (+ its score bias)
-    per_layer_norms = 2 * h
-    embed = vocab * h * (1 if tc.get("tie_word_embeddings") else 2)
-    return (layers * (attn + per_layer_norms) + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
-            + embed + h)
-
-
-def device_memory(device) -> int:
-    """Bytes one process can hold on `device`: the GPU's memory, or the machine's RAM for a CPU."""
-    import os
-
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_target_fits(cfg: RunConfig, device) -> None:
-    """One line before loading when the target's weights alone exceed what one process has on `device`
-    (a 1T-parameter Kimi-K2.5 in train.source=online or an in-process engine), instead of minutes of loading
-    and an out-of-memory traceback."""
-    params = target_params(read_target_config(resolve_target(cfg)))
-    need, have = params * _DTYPE_BYTES[cfg.target.dtype], device_memory(device)
-    if need > have:
-        raise UserError(f"target.model = {cfg.target.model!r}: its weights need ~{_gib(need)} in {cfg.target.dtype} "
-                        f"({params / 1e9:,.1f}B parameters, `make plan`), more than one process has on {device} "
-                        f"({_gib(have)}): run the target as a server (data_gen.backend=openai, extract.engine=sglang, "
-                        "train.source=offline, eval.engine=server)")
-
-
 def drafter_params(dc: DrafterConfig) -> dict[str, int]:
-    """Parameter counts of core.drafter.Eagle3Drafter's parts (tests/test_target_configs.py checks the
+    """Parameter counts of core.drafters.drafter.Eagle3Drafter's parts (tests/test_target_configs.py checks the
     sum against the module itself); arithmetic, so a 1B-parameter drafter costs nothing to plan."""
     h, q, kv = dc.hidden_size, dc.num_attention_heads * dc.head_dim, dc.num_key_value_heads * dc.head_dim
     attention, attention_norms = 2 * h * (q + 2 * kv) + q * h, 0
@@ -200,16 +136,10 @@ def _duration(seconds: float) -> str:
 
 
 def _hours(tokens: int, key: tuple) -> str:
-    if key in MEASURED:
-        return "; ".join(f"~{_duration(tokens / rate)} at {rate:,} tok/s ({where})" for rate, where in MEASURED[key])
-    shapes = sorted({f"H {k[1]} x {k[2]} layers" for k in MEASURED if k[0] == key[0]})
+    if key in STAGE_SPEED:
+        return "; ".join(f"~{_duration(tokens / rate)} at {rate:,} tok/s ({where})" for rate, where in STAGE_SPEED[key])
+    shapes = sorted({f"H {k[1]} x {k[2]} layers" for k in STAGE_SPEED if k[0] == key[0]})
     return f"not measured for H {key[1]} x {key[2]} layers (measured: {', '.join(shapes)})"
-
-
-def _gib(b: float) -> str:
-    units = [("TiB", 1024 ** 4), ("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)]
-    unit, size = next(((u, n) for u, n in units if b >= n), ("B", 1))
-    return f"{b / size:,.1f} {unit}"
 
 
 @dataclass(frozen=True)
@@ -232,7 +162,7 @@ def _target_lines(cfg: RunConfig, sh: _Shape) -> list[str]:
     return [
         f"{cfg.target.model}: {tc['model_type']}, {tc['num_hidden_layers']} layers, hidden {tc['hidden_size']}, vocab "
         f"{tc['vocab_size']}, {tc['num_attention_heads']}/{tc.get('num_key_value_heads') or tc['num_attention_heads']} heads",
-        f"weights: {weights / 1e9:,.2f}B parameters -> {_gib(weights * _DTYPE_BYTES[cfg.target.dtype])} in "
+        f"weights: {weights / 1e9:,.2f}B parameters -> {human_bytes(weights * DTYPE_BYTES[cfg.target.dtype])} in "
         f"{cfg.target.dtype}: what one process holds to run it in-process (hf engines, train.source=online)",
         f"aux layers {sh.aux} (input of layer i = hidden_states[i]); export: SGLang eagle_config ids "
         f"{export['eagle_config']['eagle_aux_hidden_state_layer_ids']}, llama.cpp top-level ids "
@@ -254,10 +184,10 @@ def _extract_lines(cfg: RunConfig, sh: _Shape) -> list[str]:
     all_layers = 4 + 1 + (layers + 1) * h * 2
     ids = f"; SGLang ids {sglang_layer_ids(sh.aux, sh.tc['model_type'])}" if x.engine == "sglang" else ""
     return [f"engine {x.engine}{ids}; aux 3x{h} + final {h} per token in {x.dtype}: {per_tok:,} B/token "
-            f"-> <= {_gib(sh.tokens * per_tok)} for <= {sh.tokens:,} tokens"
+            f"-> <= {human_bytes(sh.tokens * per_tok)} for <= {sh.tokens:,} tokens"
             + (" (spans=loss: final rows only on loss tokens, less)" if x.spans == "loss" else ""),
             f"storing all {layers + 1} hidden states in bf16 instead: {all_layers:,} B/token "
-            f"({all_layers / per_tok:.1f}x) -> {_gib(sh.tokens * all_layers)}",
+            f"({all_layers / per_tok:.1f}x) -> {human_bytes(sh.tokens * all_layers)}",
             *disk_lines(h, sh.cap),
             f"time: {_hours(sh.tokens, ('extract', h, layers, x.dtype))}",
             *(_vllm_lines(cfg, sh) if x.engine == "vllm" else [])]
@@ -276,8 +206,8 @@ def _vllm_lines(cfg: RunConfig, sh: _Shape) -> list[str]:
             "server: " + shlex.join(server_command(str(cfg.target.model), port, ids, storage,
                                                    cfg.target.trust_remote_code, sh.cap)),
             f"hidden-state cache on every rank, beside the KV cache: {len(ids)} x {h} x 2 B = {cache:,} B/token (bf16; "
-            f"the KV cache: {kv:,} B/token, {kv_kind}) -> {_gib(cache * longest)} per rank for a sequence of "
-            f"--max-model-len {longest:,} (the longest sample + the generated token), {_gib((cache + kv) * longest)} "
+            f"the KV cache: {kv:,} B/token, {kv_kind}) -> {human_bytes(cache * longest)} per rank for a sequence of "
+            f"--max-model-len {longest:,} (the longest sample + the generated token), {human_bytes((cache + kv) * longest)} "
             "with its KV" + ("" if sh.tc["model_type"] in AUX_OVER_PP else
                              f"; pipeline parallel stays 1 for {sh.tc['model_type']} (the launcher refuses -pp > 1)"),
             f"server files: {len(ids)} x {h} x {per_tok // (len(ids) * h)} B = {per_tok:,} B/token in "
@@ -298,22 +228,52 @@ def _train_lines(cfg: RunConfig, sh: _Shape, world_size: int) -> list[str]:
     steps = math.ceil(sh.conversations / (t.batch_size * world_size * t.grad_accum)) * t.epochs
     train_tokens = sh.conversations * min(sh.cap, t.max_len) * t.epochs
     key = ("train", sh.tc["hidden_size"], sh.tc["num_hidden_layers"], "bf16" if bf16 else "fp32")
+    speed = TRAIN_SPEED.get((sh.tc["hidden_size"], sh.tc["num_hidden_layers"], t.draft_attention)) if bf16 else None
     lines = [
         f"drafter: {trainable / 1e6:,.1f}M trainable + {frozen / 1e6:,.1f}M frozen params (hidden {dc.hidden_size}, "
         f"{_attention_shape(dc)}, MLP {dc.intermediate_size}, "
         f"draft vocab {dc.draft_vocab_size:,} of {dc.vocab_size:,})",
         _kv_line(sh.tc, dc, t),
-        f"memory per GPU ~{_gib(sum(mem.values()))} (estimate, {'bf16' if bf16 else 'fp32'} activations, batch "
-        f"{t.batch_size} x {row} tokens, K={t.ttt_steps}): " + ", ".join(f"{k} {_gib(v)}" for k, v in mem.items()),
-        f"disk: 2 checkpoints kept x ~{_gib(checkpoint)} (fp32 weights, the embedding, AdamW moments) + the drafter "
-        f"export ~{_gib(2 * unembedded + dc.vocab_size + 8 * dc.draft_vocab_size)} (bf16, no embedding)",
+        f"memory per GPU ~{human_bytes(sum(mem.values()))} (estimate, {'bf16' if bf16 else 'fp32'} activations, batch "
+        f"{t.batch_size} x {row} tokens, K={t.ttt_steps}): " + ", ".join(f"{k} {human_bytes(v)}" for k, v in mem.items()),
+        *_measured_memory(speed, row),
+        f"disk: 2 checkpoints kept x ~{human_bytes(checkpoint)} (fp32 weights, the embedding, AdamW moments) + the drafter "
+        f"export ~{human_bytes(2 * unembedded + dc.vocab_size + 8 * dc.draft_vocab_size)} (bf16, no embedding)",
         f"steps: ceil({sh.conversations:,} / ({t.batch_size} batch x {world_size} processes x {t.grad_accum} accum)) x "
         f"{t.epochs} epochs = {steps:,}",
-        f"time: {_hours(train_tokens, key)} for <= {train_tokens:,} tokens"]
+        *(_measured_time(cfg, sh, speed, world_size) if speed else
+          [f"time: {_hours(train_tokens, key)} for <= {train_tokens:,} tokens"])]
     if t.max_len < sh.cap:
         lines.append(f"WARNING: train.max_len {t.max_len:,} < {sh.cap:,}, the longest sample data_gen can write: "
                      "longer samples are cut in training (their tail's tokens never trained on)")
     return lines
+
+
+def _measured_memory(speed: TrainSpeed | None, row: int) -> list[str]:
+    """The measured peak at the longest measured length up to this row's, and whether it reaches the row."""
+    if not speed:
+        return []
+    cells = ", ".join(f"{n:,} tokens {gib:.1f} GiB" for n, gib in sorted(speed.peak_gib.items()))
+    top = max(speed.peak_gib)
+    return [f"memory per GPU measured: {cells} ({speed.where})"
+            + ("" if top >= row else f"; {row:,} tokens not measured: the estimate above holds there")]
+
+
+def _measured_time(cfg: RunConfig, sh: _Shape, speed: TrainSpeed, world_size: int) -> list[str]:
+    """Hours from the measured tokens/s by length, over the stated lengths (cut at train.max_len)."""
+    t = cfg.train
+    lengths = [min(n, t.max_len) for n in THINKING.quantiles()]
+    per_sample = speed.seconds(lengths) / len(lengths)
+    efficiency = 1.0 if world_size == 1 else DP_EFFICIENCY
+    seconds = sh.conversations * t.epochs * per_sample / (world_size * efficiency)
+    rates = ", ".join(f"{n:,}: {r:,.0f}" for n, r in sorted(speed.tokens_per_s.items()))
+    return [f"time: ~{_duration(seconds)} on {world_size} GPU(s) for {sh.conversations:,} samples x {t.epochs} epochs "
+            f"of {THINKING.what} (mean {sum(lengths) / len(lengths):,.0f} tokens, {sh.conversations * t.epochs * sum(lengths) / len(lengths):,.0f} "
+            f"tokens in all)",
+            f"  from one GPU's tokens/s by sequence length ({rates}; linear between them, the nearest outside, "
+            "which is optimistic below the shortest (a step's fixed costs weigh more there) and above the longest; "
+            f"{speed.where})" + (f" x {world_size} GPUs x {DP_EFFICIENCY:.0%} data-parallel efficiency (assumed, not "
+                                 "measured)" if world_size > 1 else "")]
 
 
 def _attention_shape(dc: DrafterConfig) -> str:
@@ -370,9 +330,9 @@ if __name__ == "__main__":
     import argparse
     import sys
 
-    from core.config import load_config
+    from core.run.config import load_config
 
-    parser = argparse.ArgumentParser(prog="core.plan", description=__doc__,
+    parser = argparse.ArgumentParser(prog="core.run.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/smollm2-135m-instruct.yaml", help="run config YAML")
     parser.add_argument("--world-size", type=int, default=1, help="training processes (GPUs) to plan for")
@@ -381,5 +341,5 @@ if __name__ == "__main__":
     try:
         text = format_plan(load_config(args.config, args.overrides), world_size=args.world_size, source=args.config)
     except UserError as err:
-        parser.exit(2, f"core.plan: error: {err}\n")
+        parser.exit(2, f"core.run.plan: error: {err}\n")
     sys.stdout.write(text + "\n")

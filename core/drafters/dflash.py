@@ -33,12 +33,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from core.atomic_io import atomic_write_json
-from core.decode import Generation, new_cache, prefill, verify
-from core.drafter import MLP, RMSNorm, apply_rope, write_weights
-from core.drafter_config import target_layer_shape
-from core.errors import UserError
-from core.speculative import accept_chain, emitted_tokens
+from core.drafters.drafter import MLP, RMSNorm, apply_rope, write_weights
+from core.drafters.drafter_config import target_layer_shape
+from core.engine.decode import Generation, new_cache, prefill, verify
+from core.engine.speculative import accept_chain, emitted_tokens
+from core.run.errors import UserError
+from core.storage.atomic_io import atomic_write_json
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -64,7 +64,7 @@ class DFlashConfig:
 
     @classmethod
     def for_target(cls, tc: dict, aux_layers: list[int], layers: int, block_size: int, mask_token_id: int) -> DFlashConfig:
-        """The drafter train builds for a target (core.target.read_target_config): its width, heads and MLP."""
+        """The drafter train builds for a target (core.target.model.read_target_config): its width, heads and MLP."""
         if not 0 <= mask_token_id < tc["vocab_size"]:
             raise UserError(f"train.dflash.mask_token_id = {mask_token_id}: outside the target's vocab of "
                             f"{tc['vocab_size']}")
@@ -173,7 +173,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("embed", embed.detach().clone(), persistent=False)
         self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
-        # training's per-feature preconditioner of fc's input (core/drafter.py's docstring), folded into fc at export
+        # training's per-feature preconditioner of fc's input (core/drafters/drafter.py's docstring), folded into fc at export
         self.register_buffer("aux_scale", torch.ones(len(c.aux_layers) * c.target_hidden_size))
 
     def context(self, aux: torch.Tensor) -> torch.Tensor:

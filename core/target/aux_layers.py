@@ -8,7 +8,7 @@ into an exported drafter config are translated here; vLLM's speculators schema u
 
 from __future__ import annotations
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 # model_type -> how SGLang 0.5.23's set_eagle3_layers_to_capture treats explicit ids
 _SHIFT_ALWAYS = {"llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe"}
@@ -39,7 +39,7 @@ def sglang_layer_ids(aux_layers: list[int], model_type: str) -> list[int]:
                              "ids (it shifts ids starting at 1); choose aux layers starting at >= 2")
         return list(aux_layers)
     raise UserError(f"model_type {model_type!r}: SGLang's layer-id rule for it is unknown; add it to "
-                     "core/aux_layers.py after reading its set_eagle3_layers_to_capture")
+                     "core/target/aux_layers.py after reading its set_eagle3_layers_to_capture")
 
 
 def aux_layers_from_sglang(ids: list[int] | None, model_type: str, num_layers: int) -> list[int]:

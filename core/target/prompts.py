@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import UserError
+from core.run.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 Used by extract (hf engine: captures written to shards) and train (train.source=online: captures
 trained on at once), so both train on the same tensors.
 
-aux = concat(hidden_states[i] for i in aux_layers)  (input of decoder layer i: the convention of core/aux_layers.py)
+aux = concat(hidden_states[i] for i in aux_layers)  (input of decoder layer i: the convention of core/target/aux_layers.py)
 final = hidden_states[-1]                            (post-final-norm; teacher logits = lm_head(final))
 """
 

@@ -1,5 +1,5 @@
 """The target's attention for decode steps: one query token per row, grouped-query attention that reads
-each layer's K/V once (`load_target` switches every target to it; core/decode.py decodes through it).
+each layer's K/V once (`load_target` switches every target to it; core/engine/decode.py decodes through it).
 
 Why: a static-cache decode step passes a padding mask, and with a mask transformers' SDPA integration
 (since 5.17) refuses SDPA's native GQA on CUDA and calls `repeat_kv`, copying every

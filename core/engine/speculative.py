@@ -1,5 +1,5 @@
 """Speculative decoding, batch 1 (eval's hf engine and train's τ probe): the drafter proposes a chain of K
-tokens (or an EAGLE-2 tree, core/draft_tree.py), the target verifies them in one call of core/decode.py's
+tokens (or an EAGLE-2 tree, core/drafters/draft_tree.py), the target verifies them in one call of core/engine/decode.py's
 engine, and the round keeps what the target agrees with plus its own next token; greedy (the output equals
 `generate`'s) or sampled (speculative sampling: distributed as the target's own sampling). The drafter keeps
 its K/V in its static `DraftCache`, rolled back after each round like the target's.
@@ -12,9 +12,18 @@ from typing import NamedTuple
 import torch
 from transformers import StaticCache
 
-from core.decode import GREEDY, Generation, Sampling, new_cache, prefill, sample_token, target_forward, verify
-from core.draft_tree import DraftTree, TreeSpec, draft_tree
-from core.drafter import DraftCache, Eagle3Drafter
+from core.drafters.draft_tree import DraftTree, TreeSpec, draft_tree
+from core.drafters.drafter import DraftCache, Eagle3Drafter
+from core.engine.decode import (
+    GREEDY,
+    Generation,
+    Sampling,
+    new_cache,
+    prefill,
+    sample_token,
+    target_forward,
+    verify,
+)
 
 
 class Drafting(NamedTuple):

@@ -1,7 +1,7 @@
 """The decode engine of data_gen (batched generation) and eval (the greedy or sampled baseline; speculative
-decoding, core/speculative.py, runs on the same calls): one target call (`target_forward`) over one static KV
+decoding, core/engine/speculative.py, runs on the same calls): one target call (`target_forward`) over one static KV
 cache type, split like gpt-fast into `prefill`, `decode_one` and `verify`. Batched generation decodes through
-core/decode_step.py's `DecodeStep`: decode_one's call without the host-side cache seek, so that it can replay
+core/engine/decode_step.py's `DecodeStep`: decode_one's call without the host-side cache seek, so that it can replay
 as a CUDA graph.
 
 Why not `model.generate`: speculative decoding needs the aux hidden states of every verified
@@ -21,8 +21,8 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache, StaticCache
 
-from core.decode_step import DecodeStep
-from core.errors import UserError
+from core.engine.decode_step import DecodeStep
+from core.run.errors import UserError
 
 
 @dataclass
@@ -138,7 +138,7 @@ GREEDY = Sampling()
 class DecodeRun(NamedTuple):
     """How `generate` runs its steps, never what they decode: bf16_prefill: the prompt pass under bf16 autocast;
     graphs: each step replayed as a CUDA graph; fuse: "" | "fused" | "exact": the step through torch.compile first
-    (core/decode_step.py); decode_model: the same target in another dtype (data_gen's bf16 copy: 2.3x faster
+    (core/engine/decode_step.py); decode_model: the same target in another dtype (data_gen's bf16 copy: 2.3x faster
     decode steps on a CPU with native bf16) running the steps after the prefill (needs bf16_prefill)."""
     bf16_prefill: bool = False
     graphs: bool = False

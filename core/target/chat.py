@@ -7,8 +7,8 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
-from core.errors import UserError
-from core.prompts import Prompt, load_prompt_file, load_prompts
+from core.run.errors import UserError
+from core.target.prompts import Prompt, load_prompt_file, load_prompts
 
 
 def prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:

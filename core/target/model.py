@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from core.atomic_io import honour_umask
-from core.config import RunConfig
-from core.drafter_config import Verifier
-from core.errors import UserError
+from core.drafters.drafter_config import Verifier
+from core.run.config import RunConfig
+from core.run.errors import UserError
+from core.storage.atomic_io import honour_umask
+from core.target.size import DTYPE_BYTES, device_memory, human_bytes, target_params
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def _build_atomically(dest: Path, build) -> Path:
 def _convert_smollm2(out: Path) -> None:
     """Dequantize the embedded GGUF into an fp32 HF dir: what transformers' own GGUF loading +
     save_pretrained writes (tests/test_gguf_checkpoint.py), in ~4 s instead of ~30 s."""
-    from core.gguf_checkpoint import convert_gguf_to_hf
+    from core.target.gguf_checkpoint import convert_gguf_to_hf
 
     gguf = embedded_gguf_path()
     log.info("dequantizing %s into %s (one time, ~4 s on CPU)", gguf.name, out)
@@ -295,20 +296,18 @@ def weight_names(cfg: RunConfig) -> WeightNames:
 def load_target(cfg: RunConfig, device: torch.device | None = None):
     """(model in eval mode on device, tokenizer). Weights come from safetensors only; a multimodal wrapper's
     language model alone, its checkpoint prefix stripped. Decode steps (one query token) attend through
-    core/decode_attention.py; every other call through transformers' SDPA. On a CPU, fp32 products of few
-    rows run split across the threads (core/cpu_linear.py)."""
+    core/engine/decode_attention.py; every other call through transformers' SDPA. On a CPU, fp32 products of few
+    rows run split across the threads (core/engine/cpu_linear.py)."""
     from transformers import AutoModelForCausalLM
 
-    from core.cpu_linear import split_cpu_linears
-    from core.decode_attention import use_decode_attention
+    from core.engine.cpu_linear import split_cpu_linears
+    from core.engine.decode_attention import use_decode_attention
 
     path = resolve_target(cfg)
     if not any(path.glob("*.safetensors")):
         raise UserError(f"target.model = {cfg.target.model!r}: {path} has a config.json but no *.safetensors "
                         "weights (configs/targets/ ship configs only): pass target.model=<the model's local HF dir>")
     device = device or resolve_device(cfg.target.device)
-    from core.plan import check_target_fits  # core.plan reads configs through this module
-
     check_target_fits(cfg, device)
     text_cfg = text_model_config(cfg)
     prefix = weight_names(cfg).prefix
@@ -369,3 +368,16 @@ def _read_target_tensors(cfg: RunConfig, wanted: set[str]) -> dict[str, torch.Te
             for key in wanted & set(f.keys()):
                 found[key] = f.get_tensor(key).float()
     return found
+
+
+def check_target_fits(cfg: RunConfig, device) -> None:
+    """One line before loading when the target's weights alone exceed what one process has on `device`
+    (a 1T-parameter Kimi-K2.5 in train.source=online or an in-process engine), instead of minutes of loading
+    and an out-of-memory traceback."""
+    params = target_params(read_target_config(resolve_target(cfg)))
+    need, have = params * DTYPE_BYTES[cfg.target.dtype], device_memory(device)
+    if need > have:
+        raise UserError(f"target.model = {cfg.target.model!r}: its weights need ~{human_bytes(need)} in {cfg.target.dtype} "
+                        f"({params / 1e9:,.1f}B parameters, `make plan`), more than one process has on {device} "
+                        f"({human_bytes(have)}): run the target as a server (data_gen.backend=openai, extract.engine=sglang, "
+                        "train.source=offline, eval.engine=server)")
