@@ -14,7 +14,8 @@ What it does, in order:
    Values are random, scaled like a DeepSeek-V3 residual stream: aux layers at RMS 0.3 / 2 / 8 (it grows with
    depth), each with 4 massive-activation features at 50x, final (after the norm) at RMS 1. Loss mask: a prompt
    of 5-15% of the sample, then the answer. Lengths: --length N (every sample N tokens: the loop against the
-   step) or --lengths thinking (THINKING below: the user's distribution).
+   step) or --lengths thinking (the n quantiles of core/run/measured.THINKING, the distribution `make plan`
+   sums its hours over, shuffled).
 3. The disk's sequential read rate (a 2 GiB file written here, then dropped from the page cache) and the
    loader's read rate (train's own read-ahead over the shards, dropped from the cache first), side by side.
 4. `python -m train --config configs/kimi-k2.5.yaml` on them, one epoch, a log line a step (the shards dropped
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import signal
@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core.run.config import load_config  # noqa: E402
+from core.run.measured import THINKING  # noqa: E402
 from core.storage.hidden_shards import ShardWriter  # noqa: E402
 from core.storage.manifest import write_manifest  # noqa: E402
 from core.target.aux_layers import resolve_aux_layers  # noqa: E402
@@ -59,16 +60,11 @@ CONFIG = ROOT / "configs/kimi-k2.5.yaml"
 SMOKE_TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=1024)
 AUX_RMS = (0.3, 2.0, 8.0)  # aux layers 3 / 31 / 59: the residual stream grows with depth
-# The user's thinking answers (the hand-patched Kimi-K2.5 run: 17.3M tokens in 10,000 samples, a long tail):
-# lognormal, median 1,050 tokens, sigma 1.0 (mean 1,730 before the cut), cut to [256, 16,384].
-THINKING = dict(median=1050, sigma=1.0, low=256, high=16384)
-
-
-def thinking_lengths(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(n, generator=g, dtype=torch.float64)
-    x = (math.log(THINKING["median"]) + THINKING["sigma"] * z).exp().round()
-    return x.clamp(THINKING["low"], THINKING["high"]).long().tolist()
+def thinking_lengths(n: int) -> list[int]:
+    """The distribution's n quantiles, in a fixed shuffled order (batches of mixed lengths, as a run sees them)."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    q = THINKING.quantiles(n)
+    return [q[i] for i in order]
 
 
 def make_target(out: Path, smoke: bool, device: torch.device) -> Path:
@@ -231,7 +227,7 @@ def main() -> None:
     ap.add_argument("--work", required=True, help="where the target, shards and runs go")
     ap.add_argument("--draft-attention", default="gqa", choices=("gqa", "mla"))
     ap.add_argument("--length", type=int, default=16384, help="every sample this many tokens")
-    ap.add_argument("--lengths", default="", help="thinking: the THINKING distribution instead of --length")
+    ap.add_argument("--lengths", default="", help="thinking: core/run/measured.THINKING's lengths instead of --length")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--skip", type=int, default=3, help="first steps left out of the loop's tokens/s (compilation)")
     ap.add_argument("--iters", type=int, default=5, help="timed steps of the step-alone benchmark")
