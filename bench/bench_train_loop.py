@@ -67,8 +67,9 @@ def thinking_lengths(n: int) -> list[int]:
     return [q[i] for i in order]
 
 
-def make_target(out: Path, smoke: bool, device: torch.device) -> Path:
-    """Kimi-K2.5's config (toy widths with smoke) + random embed / lm_head / final norm in bf16 (drawn on device)."""
+def make_target(out: Path, smoke: bool, device: torch.device, weights: bool = True) -> Path:
+    """Kimi-K2.5's config (toy widths with smoke) + random embed / lm_head / final norm in bf16 (drawn on device;
+    weights=False: the config alone, which is all that writing shards reads)."""
     from safetensors.torch import save_file
 
     cfg = json.loads(KIMI.read_text())
@@ -76,9 +77,13 @@ def make_target(out: Path, smoke: bool, device: torch.device) -> Path:
     if smoke:
         cfg["text_config"].update(SMOKE_TEXT)
     text = cfg["text_config"]
-    if (out / "model.safetensors").is_file() and json.loads((out / "config.json").read_text()) == cfg:
+    done = (out / "config.json").is_file() and json.loads((out / "config.json").read_text()) == cfg
+    if done and ((out / "model.safetensors").is_file() or not weights):
         return out
     out.mkdir(parents=True, exist_ok=True)
+    if not weights:
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        return out
     h, v = text["hidden_size"], text["vocab_size"]
     g = torch.Generator(device=device).manual_seed(0)
     weights = {"language_model.model.embed_tokens.weight":
@@ -249,7 +254,7 @@ def main() -> None:
     lengths = thinking_lengths(args.samples) if args.lengths == "thinking" else [args.length] * args.samples
     if args.smoke and args.lengths == "thinking":
         lengths = [min(t, 512) for t in lengths]
-    target = make_target(work / ("target-smoke" if args.smoke else "target"), args.smoke, device)
+    target = make_target(work / ("target-smoke" if args.smoke else "target"), args.smoke, device, not args.no_train)
     name = f"run-{args.draft_attention}-{args.lengths or args.length}{'-ckpt' if args.ckpt else ''}"
     over, cfg = run_config(target, work / name, args.smoke,
                            [f"train.draft_attention={args.draft_attention}", "train.epochs=1", "train.log_every=1",
