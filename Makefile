@@ -55,8 +55,11 @@ demo: setup
 # Two workers, one torch thread each (whole test files per worker, so module fixtures are built once), the
 # slowest files first (tests/conftest.SLOW_FIRST; xdist would order them by test count): 10-11 min instead of
 # 18 on a 2-core CPU; many tests wait on a subprocess's startup, not on the CPU.
+# Last line: the CPU time (user, sys) of pytest and everything it started, the suite's cost to keep falling.
 test: setup llamacpp
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15; \
+	status=$$?; t=$$(mktemp); times > $$t; echo "suite CPU time (user, sys) of pytest and all it started: $$(tail -n 1 $$t)"; \
+	rm -f $$t; exit $$status
 
 lint: setup
 	$(VENV)/bin/ruff check .
