@@ -184,7 +184,7 @@ def prompts_split(cfg: RunConfig, prompts: str | None) -> str:
     source = prompts or cfg.eval.prompts
     if source != "heldout":
         return f"the file {source}"
-    return (f"held-out split of {cfg.data_gen.prompts}: {cfg.data_gen.heldout_percent:g}% of its prompt ids by hash, "
+    return (f"held-out split of {cfg.data_gen.prompts}: {cfg.data_gen.heldout_percent:g}% of its prompts by a hash of their text up to the first user turn, "
             "never given to data_gen")
 
 
