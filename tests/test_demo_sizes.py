@@ -17,7 +17,7 @@ def show_sizes(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("gflops, precision, samples", [(290, "bf16", 1216), (125, "fp32", 448), (133, "fp32", 768),
+@pytest.mark.parametrize("gflops, precision, samples", [(290, "bf16", 1216), (125, "fp32", 448), (150, "fp32", 448), (165, "fp32", 768),
                                                         (290, "fp32", 768), (103, "bf16", 1024)])
 def test_sizes_follow_the_machine(gflops, precision, samples):
     proc = show_sizes("--assume", f"{gflops},{precision}", "train.epochs=7")
