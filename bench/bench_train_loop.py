@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -211,6 +212,7 @@ def kill_in_checkpoint(over: list[str], cfg, work: Path) -> dict:
     """kill -9 while the second checkpoint is written; the rerun must resume from the first."""
     over = [*over, "train.save_every=2", "train.stop_after=4"]
     ckpts = cfg.run_path / "train/checkpoints"
+    shutil.rmtree(ckpts, ignore_errors=True)  # an earlier run's step-0000004 would end the wait below at once
     proc = train([*over, "--fresh"], work, "kill.log")
     second = ckpts / "step-0000004"
     while proc.poll() is None and not any(second.glob("*")):
