@@ -224,7 +224,8 @@ def kill_in_checkpoint(over: list[str], cfg, work: Path) -> dict:
     rerun = train(over, work, "rerun.log")
     rerun.wait()
     text = (work / "rerun.log").read_text()
-    return {"killed_while_writing": second.name, "latest_after_kill": latest["path"],
+    return {"killed_while_writing": second.name, "kill_landed_mid_write": latest["path"] != second.name,
+            "latest_after_kill": latest["path"],
             "rerun_resumed_from": (re.findall(r"resumed from (step-\d+)", text) or [None])[0],
             "rerun_exit": rerun.returncode}
 
