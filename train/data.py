@@ -110,15 +110,15 @@ def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on
             rows.clear()
 
     for sid in tqdm(shards.ids, desc="teacher argmax", unit="sample"):
-        stored = shards.load(sid, names=("loss_mask", "final"), decode=False)
-        s = decode_hidden({k: v.to(head.device) for k, v in stored.items()})  # fp8 dequantized on the device
-        s["loss_mask"] = stored["loss_mask"]
+        s = shards.load(sid, names=("loss_mask", "final"), decode=False)
+        # fp8 dequantized on the head's device
+        final = decode_hidden({k: v.to(head.device) for k, v in s.items() if k != "loss_mask"})["final"]
         need = teacher_positions(torch.ones_like(s["loss_mask"]) if on_prompt else s["loss_mask"])
         need[max_len:] = False
         out[sid] = torch.zeros(need.shape[0], dtype=torch.long)
         if need.any():
             pending.append((sid, need))
-            rows.append(s["final"][need.to(head.device)])
+            rows.append(final[need.to(head.device)])
         if sum(r.shape[0] for r in rows) >= rows_per_call:
             flush()
     flush()

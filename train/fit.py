@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -129,10 +130,23 @@ class Pace:
     are the same on every machine."""
 
     def __init__(self):
-        self.tokens, self.start = 0, time.perf_counter()
+        self.restart()
+
+    def restart(self):
+        self.tokens, self.start, self.excluded = 0, time.perf_counter(), 0.0
+
+    @contextmanager
+    def paused(self):
+        """What runs inside (a checkpoint, a τ probe, an epoch's export) is not the loop's time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - start
 
     def log(self, f: Fit, step: int) -> float:
-        seconds = time.perf_counter() - self.start
+        """Write the window's row and start the next window."""
+        seconds = time.perf_counter() - self.start - self.excluded
         tokens = int(f.accelerator.reduce(torch.tensor(self.tokens, device=f.accelerator.device), "sum"))
         row = {"step": step, "tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)}
         if f.accelerator.device.type == "cuda":
@@ -140,10 +154,8 @@ class Pace:
         f.accelerator.log({"tokens_per_s": row["tokens_per_s"]}, step=step)
         if f.accelerator.is_main_process:
             append_jsonl(f.train_dir / "throughput.jsonl", [row])
+        self.restart()
         return row["tokens_per_s"]
-
-    def restart(self):
-        self.tokens, self.start = 0, time.perf_counter()
 
 
 def log_metrics(f: Fit, row: dict) -> dict:
@@ -190,25 +202,27 @@ def fit(f: Fit, step: int, start_epoch: int, epoch_samples: int) -> tuple[int, b
             if step % tc.log_every == 0 or step == end_step or measure_tau:  # .item() (a sync) only here
                 row = {"step": step, "epoch": epoch, "samples": seen[slot.end], "lr": lr}
                 tokens_per_s = f.pace.log(f, step)
-                row = log_metrics(f, {**row, **(f.probe.measure(accelerator, f.objective) if measure_tau else {})})
+                with f.pace.paused():
+                    tau = f.probe.measure(accelerator, f.objective) if measure_tau else {}
+                row = log_metrics(f, {**row, **tau})
                 bar.set_postfix({**{k: f"{row[k]:.3f}" for k in ("loss", "acc_0", "tau") if k in row},
                                  "tok/s": f"{tokens_per_s:,.0f}"})
             stopped = step - first_step == tc.stop_after and step < end_step  # at the end: export
             if (tc.save_every and step % tc.save_every == 0) or stopped:
-                save_checkpoint(accelerator, f.train_dir / "checkpoints", {
-                    "step": step, "epoch": epoch, "epoch_samples": seen[slot.end] - epoch * n,
-                    "step_batches": f.step_batches})
+                with f.pace.paused():
+                    save_checkpoint(accelerator, f.train_dir / "checkpoints", {
+                        "step": step, "epoch": epoch, "epoch_samples": seen[slot.end] - epoch * n,
+                        "step_batches": f.step_batches})
             if stopped:
                 break
-            if step % tc.log_every == 0 or measure_tau or tc.save_every and step % tc.save_every == 0:
-                f.pace.restart()  # after the log line, the probe and the checkpoint
         if stopped:
             break
-        if not tc.save_every:
-            save_checkpoint(accelerator, f.train_dir / "checkpoints", {
-                "step": step, "epoch": epoch + 1, "epoch_samples": 0, "step_batches": f.step_batches})
-        if tc.epoch_drafters and epoch + 1 < tc.epochs:  # the last epoch's is drafter/
-            f.export(step, epoch + 1)  # every rank: ZeRO-3 gathers the weights; the main process writes
-            accelerator.wait_for_everyone()
+        with f.pace.paused():
+            if not tc.save_every:
+                save_checkpoint(accelerator, f.train_dir / "checkpoints", {
+                    "step": step, "epoch": epoch + 1, "epoch_samples": 0, "step_batches": f.step_batches})
+            if tc.epoch_drafters and epoch + 1 < tc.epochs:  # the last epoch's is drafter/
+                f.export(step, epoch + 1)  # every rank: ZeRO-3 gathers the weights; the main process writes
+                accelerator.wait_for_everyone()
     bar.close()
     return step, stopped
