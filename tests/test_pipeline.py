@@ -147,7 +147,7 @@ def test_report_contract(run):
     assert 1.0 <= r["acceptance_length"] <= 4.0 and len(r["per_position_acceptance"]) == 3
     assert (run_dir / "eval/report.md").read_text().startswith("# EAGLE-3 drafter")
     # held-out prompts, checked against what the drafter trained on (its trained_prompts.json): none of them
-    assert r["trained_on_prompts"] == [] and "held-out split of sharegpt: 2% of its prompt ids" in r["prompts_split"]
+    assert r["trained_on_prompts"] == [] and "held-out split of sharegpt: 2% of its prompts by a hash of their text" in r["prompts_split"]
     assert "none of them in the drafter's training data" in (run_dir / "eval/report.md").read_text()
     assert (run_dir / "eval/acceptance.png").stat().st_size > 0
     assert r["config"]["eval"]["draft_steps"] == 3 and len(r["git_sha"].removesuffix("+dirty")) in (40, len("unknown"))

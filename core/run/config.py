@@ -61,7 +61,8 @@ class DataGenConfig:
     on_bad_record: str = _f("strict", "strict (first bad record in a prompt file is an error naming file:line) "
                                       "| skip (skipped and counted by reason)", choices=('strict', 'skip'))
     num_samples: int = _f(256, "conversations to regenerate (taken from the train split)", ge=1)
-    heldout_percent: float = _f(2.0, "percent of prompt ids held out for eval (split by id hash)", ge=0, le=100)
+    heldout_percent: float = _f(2.0, "percent of prompts held out for eval (by a hash of their text up to the first "
+                                 "user turn)", ge=0, le=100)
     max_turns: int = _f(1, "user turns regenerated per conversation: 1 = first turn, 0 = all", ge=0)
     n: int = _f(1, "answers per conversation (independent regenerations, ids <id>~<j>)", ge=1)
     self_prompts: int = _f(0, "user turns the target writes itself from its chat template's user header (Magpie), "
