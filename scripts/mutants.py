@@ -23,7 +23,7 @@ and gradient clipping in the gradient, RoPE's direction, the norms' placement an
 in safetensors' words, V11-V13 reader locks and the gradient between TTT
 steps, B6-B9 EAGLE-3.1's fc_norm and norm_output, L1-L9 issue 51's MLA draft layer, Z1-Z6 issue 52's
 DeepSpeed runs, VL1-VL4 issue 53's vLLM exports, VX1-VX3 issue 56's
-stock vLLM extraction, DF1-DF6 issue 54's DFlash drafters.
+stock vLLM extraction, DF1-DF6 issue 54's DFlash drafters, LK1-LK5 issue 66's LK losses.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ WORLD = ("tests/test_resume.py::test_two_processes_stop_and_one_process_finishes
          "tests/test_resume.py::test_one_process_stop_and_two_processes_finish_every_sample_once")
 SAMPLING = ("tests/test_speculative_modes.py::test_speculative_sampling_at_t1_keeps_the_target_distribution",)
 FAST = ("tests/test_ttt_fast_paths.py",)
+LKT = "tests/test_lk_loss.py"
 PACKING = ("tests/test_packing.py",)
 KIMI = ("tests/test_kimi_chain.py",)
 NORM_FC = ("tests/test_drafter.py",)
@@ -142,8 +143,7 @@ MUTANTS = [
     Mutant("F2", "TTT block mask skips the diagonal block of later steps", "train/ttt_attention.py",
            "*[diag.expand_as(part0)] * (steps - 1)]", "*[torch.zeros_like(part0)] * (steps - 1)]", FAST),
     Mutant("F3", "fused head loss forgets the per-step weights in its gradient", "train/draft_head_loss.py",
-           "g = (logp.exp() * pc.sum(-1, keepdim=True) - pc) * scale[:, None]",
-           "g = logp.exp() * pc.sum(-1, keepdim=True) - pc", FAST),
+           "    g = g * scale[:, None]\n", "    g = g\n", FAST),
     Mutant("F4", "activation checkpointing recomputes with the grown key list", "train/ttt_loss.py",
            "tuple(keys), tuple(values), masks[k],", "keys, values, masks[k],", FAST),
     Mutant("F8", "train.kernels.compile=unroll runs the plain per-step loop (the one-graph unroll never runs)",
@@ -456,6 +456,19 @@ MUTANTS = [
            '            "norm_output": self.norm_output,\n', "", (VLLM,)),
     Mutant("VL4", "the speculators export leaves norm_before_residual to vLLM's default (true)",
            "core/drafters/drafter_config.py", '"norm_before_residual": False, ', "", (VLLM,)),
+    Mutant("LK1", "alpha multiplies p and q instead of taking their minimum", "train/draft_head_loss.py",
+           "alpha = torch.minimum(pc * mass[:, None], logp.exp()).sum(-1)", "alpha = (pc * mass[:, None] * logp.exp()).sum(-1)",
+           (LKT,)),
+    Mutant("LK2", "alpha over the renormalised draft-vocab p (the target's mass outside the draft vocab accepted)",
+           "train/draft_head_loss.py", "alpha = torch.minimum(pc * mass[:, None], logp.exp()).sum(-1)",
+           "alpha = torch.minimum(pc, logp.exp()).sum(-1)", (LKT,)),
+    Mutant("LK3", "lk_lambda's KL weight not detached from alpha", "train/draft_head_loss.py",
+           "torch.exp(-loss.kl_decay * alpha.detach())", "torch.exp(-loss.kl_decay * alpha)", (LKT,)),
+    Mutant("LK4", "the chunked LK gradient forgets the softmax's own term (d alpha / dz = q * u)", "train/draft_head_loss.py",
+           "d_alpha = q * (under.float() - (q * under).sum(-1, keepdim=True))", "d_alpha = q * under.float()", (LKT,)),
+    Mutant("LK5", "the teacher's draft-vocab mass is never computed (alpha over the renormalised p in training)",
+           "train/ttt_loss.py", "    if lse is not None:\n        mass[rows]", "    if False:\n        mass[rows]",
+           ("tests/test_lk_loss.py::test_training_alpha_counts_the_mass_outside_a_pruned_draft_vocab",)),
 ]
 
 

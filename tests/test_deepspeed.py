@@ -4,8 +4,9 @@ process count, use_cpu and the JSON's path rewritten), on the tiny random target
 
 - one process, fp32: ZeRO-2 and ZeRO-3 train to the plain run's weights (the same step math: DeepSpeed clips at
   train.grad_clip, steps the same AdamW, and ZeRO-3's export gathers the full weights);
-- two processes: a ZeRO-2 / ZeRO-3 run stopped at a checkpoint (train.stop_after) and rerun ends at the weights of
-  the uninterrupted run, and kill -9 after a checkpoint then a rerun does too (ZeRO-3);
+- two processes: a ZeRO-2 run stopped at a checkpoint (train.stop_after) and rerun ends at the weights of the
+  uninterrupted run, and a ZeRO-3 run killed (-9) after a checkpoint then rerun does too;
+- ZeRO-3 with the compiled K-step unroll and with the target online, in one launch;
 - a DeepSpeed JSON whose value conflicts with the run config's is one error line naming both.
 """
 
@@ -121,30 +122,39 @@ def test_zero2_and_zero3_train_the_plain_runs_weights(new_run, tmp_path):
     assert max((weights(run)[k].float() - weights(plain)[k].float()).abs().max() for k in weights(plain)) > 1e-3
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_processes_stopped_and_rerun_end_where_the_uninterrupted_run_ends(new_run, tmp_path, stage):
-    """ZeRO shards the optimizer state (and under ZeRO-3 the weights) over the two ranks: a checkpoint holds each
-    rank's shard in DeepSpeed's layout, and the rerun on two processes continues to the same weights. Under ZeRO-3
-    the step gathers the weights it reads outside their modules, and the export the full weights (a rank's
-    partition would be empty)."""
-    config = launch_config(tmp_path, stage, 2)
-    ref, run = new_run("ref"), new_run("run")
-    log = launch(config, ref).stderr
+@pytest.fixture(scope="module")
+def two_process_weights(overfit_tiny, tmp_path_factory):
+    """The drafter of an uninterrupted two-process ZeRO-2 run: where a stopped-and-rerun run of either stage must
+    end (ZeRO-3 takes the same step: one process of each equals the plain run, test above)."""
+    import shutil
+
+    tmp = tmp_path_factory.mktemp("ds-ref")
+    for stage_dir in ("conversations", "hidden"):
+        shutil.copytree(overfit_tiny[1] / stage_dir, tmp / "ref" / stage_dir, ignore=shutil.ignore_patterns(LOCK_FILE))
+    log = launch(launch_config(tmp, 2, 2), tmp / "ref").stderr
     assert "world size 2 (DistributedType.DEEPSPEED)" in log
+    return weights(tmp / "ref")
+
+
+def test_two_processes_stopped_at_a_checkpoint_and_rerun_end_where_the_uninterrupted_run_ends(
+        new_run, tmp_path, two_process_weights):
+    """ZeRO-2 shards the optimizer state over the two ranks: a checkpoint holds each rank's shard in DeepSpeed's
+    layout, and the rerun on two processes continues to the same weights."""
+    config, run = launch_config(tmp_path, 2, 2), new_run("run")
     launch(config, run, "train.stop_after=2")
     assert not (run / "drafter").exists()
     latest = json.loads((run / "train/checkpoints/latest.json").read_text())
     assert (latest["step"], latest["world_size"]) == (2, 2)
-    refused = launch(launch_config(tmp_path, stage, 1), run, check=False)  # one rank can't read two ranks' shards
-    assert refused.returncode != 0 and "whose ZeRO optimizer state is sharded by rank" in error_line(refused)
     assert "resumed from step-0000002" in launch(config, run).stderr
-    assert_same_weights(weights(run), weights(ref), atol=1e-6)
+    assert_same_weights(weights(run), two_process_weights, atol=1e-6)
 
 
-def test_kill_9_under_zero3_then_rerun_ends_at_the_uninterrupted_weights(new_run, tmp_path):
-    config = launch_config(tmp_path, 3, 2)
-    ref, run = new_run("ref"), new_run("run")
-    launch(config, ref, "train.save_every=1")
+def test_kill_9_under_zero3_then_rerun_ends_at_the_uninterrupted_weights(new_run, tmp_path, two_process_weights):
+    """ZeRO-3 partitions the weights too: the step gathers the weights it reads outside their modules, a checkpoint
+    holds each rank's partitions, and the export the full weights (a rank's partition would be empty). kill -9
+    of the launcher and both ranks after a checkpoint; one process can't read the two ranks' shards; two continue
+    to the uninterrupted run's weights."""
+    config, run = launch_config(tmp_path, 3, 2), new_run("run")
     proc = launch(config, run, "train.save_every=1", background=True)
     latest, deadline = run / "train/checkpoints/latest.json", time.time() + 300
     while not (latest.exists() and json.loads(latest.read_text())["step"] >= 2):
@@ -153,16 +163,25 @@ def test_kill_9_under_zero3_then_rerun_ends_at_the_uninterrupted_weights(new_run
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
     proc.wait()
     assert not (run / "drafter").exists()
+    refused = launch(launch_config(tmp_path, 3, 1), run, check=False)
+    assert refused.returncode != 0 and "whose ZeRO optimizer state is sharded by rank" in error_line(refused)
     assert "resumed from step-" in launch(config, run, "train.save_every=1").stderr
-    assert_same_weights(weights(run), weights(ref), atol=1e-6)
+    assert_same_weights(weights(run), two_process_weights, atol=1e-6)
 
 
-def test_zero3_gathers_the_weights_a_compiled_step_reads(new_run, tmp_path):
-    """The K-step unroll as one torch.compile graph (auto on CUDA for wide drafters) reads the projections' weights
-    directly, where DeepSpeed gathers nothing on its own (it does in eager steps): registered on the objective they
-    are gathered for its whole forward. Without that the first step indexes a 1-D partition."""
-    run = new_run("compiled")
-    launch(launch_config(tmp_path, 3, 1), run, "train.kernels.compile=unroll", "train.stop_after=1")
+def test_zero3_gathers_what_a_compiled_step_reads_and_keeps_the_online_target_whole(overfit_tiny, tmp_path):
+    """Two ZeRO-3 hazards, one launch. The K-step unroll as one torch.compile graph (auto on CUDA for wide
+    drafters) reads the projections' weights directly, where DeepSpeed gathers nothing on its own (it does in
+    eager steps): registered on the objective they are gathered for its whole forward; without that the first
+    step indexes a 1-D partition. train.source=online runs the target in the training process, outside
+    DeepSpeed's engine: transformers must not build it split over the ranks (ZeRO-3's zero.Init), or its first
+    forward fails."""
+    import shutil
+
+    run = tmp_path / "online"
+    shutil.copytree(overfit_tiny[1] / "conversations", run / "conversations", ignore=shutil.ignore_patterns(LOCK_FILE))
+    launch(launch_config(tmp_path, 3, 1), run, "train.source=online", "train.kernels.compile=unroll",
+           "train.stop_after=1")
     assert json.loads((run / "train/checkpoints/latest.json").read_text())["step"] == 1
 
 
@@ -205,17 +224,6 @@ def test_a_half_precision_mode_the_run_does_not_train_in_is_refused(written, err
         precision_keys({}, written, "zero.json", TrainConfig(mixed_precision="bf16"), "bf16")
     precision_keys(ds := {}, {"bf16": {"enabled": "auto"}}, "zero.json", TrainConfig(), "bf16")
     assert ds["bf16"]["enabled"] is False and ds["torch_autocast"]["enabled"] is True
-
-
-def test_online_training_under_zero3_keeps_the_frozen_target_whole(overfit_tiny, tmp_path):
-    """train.source=online runs the target in the training process, outside DeepSpeed's engine: transformers
-    must not build it split over the ranks (ZeRO-3's zero.Init), or its first forward fails."""
-    import shutil
-
-    run = tmp_path / "online"
-    shutil.copytree(overfit_tiny[1] / "conversations", run / "conversations", ignore=shutil.ignore_patterns(LOCK_FILE))
-    launch(launch_config(tmp_path, 3, 1), run, "train.source=online")
-    assert all(t.numel() for t in weights(run).values())
 
 
 def test_a_conflicting_deepspeed_json_stops_the_launch_in_one_line(new_run, tmp_path):

@@ -19,6 +19,7 @@ from core.target.model import load_target
 from tests.conftest import ROOT, run_stage
 from tests.sglang_source import LLAMA_FILE, SGLANG, build_sglang_dflash, check_sglang_dflash_load
 from train.dflash_loss import DFlashObjective, block_mask, draw_anchors
+from train.ttt_loss import Teacher
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_the_loss_counts_only_trained_slots_and_learns(tiny):
     loss_mask = torch.zeros(1, 16, dtype=torch.long)
     loss_mask[0, 8:] = 1
     p = torch.softmax(final @ tiny.lm_head.weight.T, -1)[None]
-    teacher = (p, p.argmax(-1), torch.ones(1, 16, dtype=torch.bool))
+    teacher = Teacher(p, p.argmax(-1), torch.ones(1, 16, dtype=torch.bool), torch.ones(1, 16))
     objective = DFlashObjective(d.train(), decay=0.8, anchors=64, seed=0)
     loss0, sums = objective(aux[None], ids, loss_mask, teacher)
     # anchors 7..14 (next token trained): slot j counts where a + j <= 15; slots 1, 2, 3 -> 8, 7, 6 rows
@@ -115,7 +116,7 @@ def test_a_batch_trains_what_its_samples_train_alone(tiny):
     loss_mask = torch.zeros(n, t, dtype=torch.long)
     loss_mask[0, 5:], loss_mask[1, 1:3], loss_mask[1, 10:13] = 1, 1, 1  # sample 1: 4 anchors, 2 padded at 0
     loss, sums = DFlashObjective(d, decay=0.8, anchors=6, seed=0, loss_chunk=7)(  # fused head loss, 7 rows a chunk
-        aux, ids, loss_mask, (p, p.argmax(-1), None), generator=torch.Generator().manual_seed(7))
+        aux, ids, loss_mask, Teacher(p, p.argmax(-1), None, torch.ones(n, t)), generator=torch.Generator().manual_seed(7))
     grads = torch.autograd.grad(loss, params)
     g, weights = torch.Generator().manual_seed(7), 0.8 ** torch.arange(block - 1.0)
     total, loss_sum, count = 0.0, torch.zeros(block - 1), torch.zeros(block - 1)

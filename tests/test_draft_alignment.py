@@ -17,7 +17,7 @@ from core.target.model import load_target, load_target_embeddings
 from tests.conftest import ROOT
 from train.draft_vocab import build_draft_vocab
 from train.loop import build_drafter
-from train.ttt_loss import Rows, TTTObjective, teacher_argmax, teacher_targets, ttt_loss
+from train.ttt_loss import Rows, Teacher, TTTObjective, teacher_argmax, teacher_targets, ttt_loss
 
 K = 3
 ANSWER_TOKENS = 40
@@ -71,8 +71,8 @@ def test_ttt_step_outputs_equal_decode_time_drafts(seq, monkeypatch, flags):
 
     outputs = capture(drafter.norm)  # TTT over the whole sequence: step k counts positions 0..T-k-3
     ones = torch.ones(1, t_len, dtype=torch.uint8)
-    teacher = (torch.zeros(1, t_len, drafter.config.draft_vocab_size), torch.zeros(1, t_len, dtype=torch.long),
-               torch.ones(1, t_len, dtype=torch.bool))
+    teacher = Teacher(torch.zeros(1, t_len, drafter.config.draft_vocab_size), torch.zeros(1, t_len, dtype=torch.long),
+               torch.ones(1, t_len, dtype=torch.bool), torch.ones(1, t_len))
     with torch.no_grad():
         ttt_loss(drafter, Rows(aux, ids, ones), teacher, K, 1.0)
     assert [s.shape[0] for s in outputs] == [t_len] * K  # the unroll norms every row; the loss reads these

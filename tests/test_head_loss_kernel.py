@@ -1,5 +1,5 @@
 """CUDA's one-kernel head-loss terms (train/head_loss_kernel.py) against `chunk_terms`, run by Triton's
-interpreter on the CPU. In a subprocess: the interpreter is chosen when the kernel is defined, from
+interpreter on the CPU, for each train.loss (kl, lk_alpha, lk_lambda) with a pruned vocab's mass. In a subprocess: the interpreter is chosen when the kernel is defined, from
 TRITON_INTERPRET, so this process's imports must not decide it."""
 
 import json
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECK = r"""
 import json, sys
 import torch
-from train.draft_head_loss import chunk_terms
+from train.draft_head_loss import HeadLoss, chunk_terms
 from train.head_loss_kernel import BLOCK, fused_chunk_terms
 
 torch.manual_seed(0)
@@ -37,13 +37,16 @@ for c, vd, n_teacher, dtype in [(5, 300, 9, torch.float32), (6, 2 * BLOCK + 77, 
         z[2, 3], z[2, BLOCK + 5] = 9.0, 9.0
         top[rows[2]] = 3
     scale = torch.rand(c) + 0.1
-    ref, got = chunk_terms(z, p, top, rows, scale), fused_chunk_terms(z, p, top, rows, scale)
-    out.append({"dtype": str(dtype), "vd": vd,
-                "loss": (ref[0] - got[0]).abs().max().item() / ref[0].abs().max().item(),
-                "right_ref": ref[1].tolist(), "right": got[1].tolist(),
-                "g": ((ref[2].float() - got[2].float()).abs() / ref[2].float().abs().max()).max().item(),
-                "g_ulps": ((ref[2].float() - got[2].float()).abs() > 2 ** -7 * ref[2].float().abs() + 1e-9).sum().item(),
-                "g_dtype": str(got[2].dtype), "argmax_tie": vd > BLOCK and bool(got[1][2])})
+    mass = torch.rand(n_teacher) * 0.5 + 0.5
+    for loss in (HeadLoss("kl"), HeadLoss("lk_alpha"), HeadLoss("lk_lambda", 0.9, 3.0)):
+        ref, got = chunk_terms(z, p, top, rows, scale, mass, loss), fused_chunk_terms(z, p, top, rows, scale, mass, loss)
+        out.append({"dtype": str(dtype), "vd": vd, "loss_kind": loss.kind,
+                    "loss": (ref[0] - got[0]).abs().max().item() / ref[0].abs().max().item(),
+                    "alpha": (ref[2] - got[2]).abs().max().item(),
+                    "right_ref": ref[1].tolist(), "right": got[1].tolist(),
+                    "g": ((ref[3].float() - got[3].float()).abs() / ref[3].float().abs().max()).max().item(),
+                    "g_ulps": ((ref[3].float() - got[3].float()).abs() > 2 ** -7 * ref[3].float().abs() + 1e-9).sum().item(),
+                    "g_dtype": str(got[3].dtype), "argmax_tie": vd > BLOCK and bool(got[1][2])})
 print(json.dumps(out))
 """
 
@@ -54,10 +57,10 @@ def test_one_kernel_terms_equal_chunk_terms_under_the_interpreter():
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(cases) == 3
+    assert len(cases) == 9 and {c["loss_kind"] for c in cases} == {"kl", "lk_alpha", "lk_lambda"}
     for case in cases:
-        assert case["loss"] < 1e-5, case
+        assert case["loss"] < 1e-5 and case["alpha"] < 1e-5, case
         assert case["right"] == case["right_ref"] and any(case["right"]), case
         assert case["g_dtype"] == case["dtype"], case
         assert case["g"] < 1e-5 if case["dtype"] == "torch.float32" else case["g_ulps"] == 0, case  # bf16: <= 1 ulp
-    assert cases[1]["argmax_tie"] and cases[2]["argmax_tie"]
+    assert all(c["argmax_tie"] for c in cases[3:])

@@ -171,9 +171,10 @@ def test_write_safetensors_is_read_by_safetensors_itself(tmp_path):
 
 
 def test_teacher_argmax_over_several_samples_per_product_matches_one_sample_at_a_time(tmp_path):
-    """train's precompute_argmax batches the rows of several samples into one lm_head product: each sample
-    gets back its own rows' argmax, in place (a sample with no answer rows and max_len cuts included)."""
-    from train.data import precompute_argmax
+    """train's precompute_teacher batches the rows of several samples into one lm_head product: each sample
+    gets back its own rows' argmax and logsumexp, in place (a sample with no answer rows and max_len cuts
+    included)."""
+    from train.data import precompute_teacher
     from train.ttt_loss import teacher_argmax
 
     lengths = [12, 7, 20, 9, 15]
@@ -183,13 +184,16 @@ def test_teacher_argmax_over_several_samples_per_product_matches_one_sample_at_a
             w.add(f"s{i}", ids, mask * 0 if i == 1 else mask, aux, final)
     shards, head = HiddenShards(tmp_path), torch.randn(50, H)
     for on_prompt in (False, True):
-        want = {}
+        want, want_lse = {}, {}
         for i in range(len(lengths)):
             s = shards.load(f"s{i}")
             need = torch.ones_like(s["loss_mask"]) if on_prompt else s["loss_mask"]
             need = torch.cat([need[1:], need.new_zeros(1)]).bool()  # positions whose next token counts
             need[14:] = False
             want[f"s{i}"] = torch.where(need, teacher_argmax(s["final"], head), 0)
+            want_lse[f"s{i}"] = torch.where(need, torch.logsumexp(s["final"] @ head.T, -1), 0)
         for rows_per_call in (1, 8, 4096):
-            got = precompute_argmax(shards, head, 14, on_prompt, rows_per_call)
-            assert all(torch.equal(got[k], v) for k, v in want.items()), (on_prompt, rows_per_call)
+            got = precompute_teacher(shards, head, 14, on_prompt, rows_per_call)
+            assert all(torch.equal(got["argmax"][k], v) for k, v in want.items()), (on_prompt, rows_per_call)
+            for k, v in want_lse.items():
+                torch.testing.assert_close(got["teacher_lse"][k], v, rtol=1e-6, atol=1e-5)

@@ -14,7 +14,7 @@ from core.drafters.drafter import DrafterConfig, Eagle3Drafter
 from core.drafters.drafter_config import MLAShape
 from core.run.config import load_config
 from train import ttt_attention
-from train.draft_head_loss import draft_head_loss
+from train.draft_head_loss import TeacherRows, draft_head_loss
 from train.ttt_attention import (
     dense_ttt_attention,
     flex_ttt_attention,
@@ -22,7 +22,7 @@ from train.ttt_attention import (
     padded_length,
     ttt_block_mask,
 )
-from train.ttt_loss import Rows, StepOptions, TTTObjective, ttt_loss
+from train.ttt_loss import Rows, StepOptions, Teacher, TTTObjective, ttt_loss
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -46,7 +46,7 @@ def inputs(b, t, d: Eagle3Drafter, seed=1):
     ids = torch.randint(0, d.config.vocab_size, (b, t), generator=g)
     mask = (torch.rand(b, t, generator=g) < 0.5).to(torch.uint8)
     p = torch.softmax(3 * torch.randn(b, t, vd, generator=g), -1)
-    teacher = (p, p.argmax(-1), torch.rand(b, t, generator=g) > 0.2)
+    teacher = Teacher(p, p.argmax(-1), torch.rand(b, t, generator=g) > 0.2, torch.ones(b, t))
     return aux, ids, mask, teacher
 
 
@@ -126,7 +126,7 @@ def test_fused_head_loss_equals_plain_autograd():
     scales = torch.tensor([1.0, 0.8, 0.64]) / torch.tensor([17.0, 1.0, 9.0])
     out = {}
     for chunk in (0, 5):
-        total, sums, correct = draft_head_loss(xs, weight, p, top, rows, scales, chunk)
+        total, sums, correct, _ = draft_head_loss(xs, weight, TeacherRows(p, top), rows, scales, chunk)
         grads = torch.autograd.grad(2.5 * total, [weight, xs[0], xs[2]])
         out[chunk] = (total.detach(), sums, correct, *grads)
     assert out[0][2].tolist() == out[5][2].tolist()
@@ -351,7 +351,7 @@ def test_teacher_probabilities_are_kept_in_the_matmul_dtype():
     need = torch.zeros(2, 12, dtype=torch.bool)
     need[:, :-1] = mask[:, 1:].bool()
     for dtype in (torch.float32, torch.bfloat16):
-        p, top, in_vocab = teacher_targets(final, mask, head.to(dtype), t2d, argmax)
+        p, top, in_vocab, _ = teacher_targets(final, mask, head.to(dtype), t2d, argmax)
         assert p.dtype == dtype
         want = torch.softmax((final.to(dtype) @ head.to(dtype).T).float(), -1).to(dtype)
         torch.testing.assert_close(p[need], want[need], rtol=0, atol=0)

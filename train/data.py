@@ -24,7 +24,7 @@ from core.run.errors import UserError
 from core.storage.hidden_shards import HiddenShards, decode_hidden, teacher_positions
 from core.storage.manifest import check_compat, read_finished_manifest
 from core.target.model import TargetHead
-from train.ttt_loss import teacher_argmax
+from train.ttt_loss import teacher_argmax_lse
 
 AUX_RMS_SAMPLES = 128  # aux_rms reads the first this many samples (sorted ids)
 
@@ -80,11 +80,11 @@ class ShardSource:
             yield s["aux"], s["loss_mask"]
 
     def dataset(self, target: TargetHead, matmul_dtype: torch.dtype, on_prompt: bool) -> ShardDataset:
-        """The samples with their teacher argmax, computed here once (the full-vocab lm_head on the device
-        only meanwhile)."""
+        """The samples with their teacher argmax and logsumexp, computed here once (the full-vocab lm_head on the
+        device only meanwhile)."""
         head = target.lm_head.to(self.device, matmul_dtype)
-        argmax = precompute_argmax(self.shards, head, self.max_len, on_prompt)
-        return ShardDataset(self.shards, self.ids, self.max_len, {"argmax": argmax})
+        return ShardDataset(self.shards, self.ids, self.max_len, precompute_teacher(self.shards, head, self.max_len,
+                                                                                    on_prompt))
 
     def complete(self, batch: dict) -> dict:
         return decode_hidden(batch, to_float=True)  # fp32, on the device; the argmax was precomputed
@@ -93,19 +93,20 @@ class ShardSource:
         return f"{self.dir} {sorted({self.shards.rows[i]['shard'] for i in ids})}"
 
 
-def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on_prompt: bool,
-                      rows_per_call: int = 2048) -> dict[str, torch.Tensor]:
-    """Per sample, the target's full-vocab argmax at every position that is ever a teacher target
-    (0 elsewhere), computed once instead of once per epoch. The rows of several samples go through one
-    product of >= rows_per_call rows: a sample's ~60 answer rows ran the 49k-row lm_head at ~70 GFLOP/s on
-    a 2-core CPU, 2048 rows at ~150 (docs/PERFORMANCE.md)."""
-    out, pending, rows = {}, [], []
+def precompute_teacher(shards: HiddenShards, head: torch.Tensor, max_len: int, on_prompt: bool,
+                       rows_per_call: int = 2048) -> dict[str, dict[str, torch.Tensor]]:
+    """{"argmax": {id: [T]}, "teacher_lse": {id: [T] fp32}}: per sample, the target's full-vocab argmax and
+    logsumexp at every position that is ever a teacher target (0 elsewhere), computed once instead of once per
+    epoch. The rows of several samples go through one product of >= rows_per_call rows: a sample's ~60 answer
+    rows ran the 49k-row lm_head at ~70 GFLOP/s on a 2-core CPU, 2048 rows at ~150 (docs/PERFORMANCE.md)."""
+    out, pending, rows = {"argmax": {}, "teacher_lse": {}}, [], []
 
     def flush():
         if rows:
-            arg = teacher_argmax(torch.cat(rows).to(head.device), head).cpu()
-            for (sid, need), part in zip(pending, arg.split([r.shape[0] for r in rows]), strict=True):
-                out[sid][need] = part
+            arg, lse = (x.cpu() for x in teacher_argmax_lse(torch.cat(rows).to(head.device), head))
+            sizes = [r.shape[0] for r in rows]
+            for (sid, need), a, s in zip(pending, arg.split(sizes), lse.split(sizes), strict=True):
+                out["argmax"][sid][need], out["teacher_lse"][sid][need] = a, s
             pending.clear()
             rows.clear()
 
@@ -115,7 +116,8 @@ def precompute_argmax(shards: HiddenShards, head: torch.Tensor, max_len: int, on
         final = decode_hidden({k: v.to(head.device) for k, v in s.items() if k != "loss_mask"})["final"]
         need = teacher_positions(torch.ones_like(s["loss_mask"]) if on_prompt else s["loss_mask"])
         need[max_len:] = False
-        out[sid] = torch.zeros(need.shape[0], dtype=torch.long)
+        out["argmax"][sid] = torch.zeros(need.shape[0], dtype=torch.long)
+        out["teacher_lse"][sid] = torch.zeros(need.shape[0], dtype=torch.float32)
         if need.any():
             pending.append((sid, need))
             rows.append(final[need.to(head.device)])

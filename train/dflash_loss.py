@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from core.drafters.dflash import DFlashDrafter
-from train.draft_head_loss import draft_head_loss
+from train.draft_head_loss import KL, HeadLoss, TeacherRows, draft_head_loss
 
 
 def draw_anchors(loss_mask: torch.Tensor, anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -41,10 +41,12 @@ def block_mask(anchors: torch.Tensor, context: int, block: int) -> torch.Tensor:
 class DFlashObjective(torch.nn.Module):
     """The DFlash drafter plus its block loss as one forward (DDP wraps the whole step), called like TTTObjective."""
 
-    def __init__(self, drafter: DFlashDrafter, decay: float, anchors: int, seed: int, loss_chunk: int = 0):
+    def __init__(self, drafter: DFlashDrafter, decay: float, anchors: int, seed: int, loss_chunk: int = 0,
+                 loss: HeadLoss = KL):
         super().__init__()
         self.drafter, self.decay, self.anchors, self.seed = drafter, decay, anchors, seed
         self.loss_chunk = loss_chunk  # rows per chunk of the fused head loss (0: plain autograd)
+        self.loss = loss  # train.loss, per slot as per TTT step
 
     def forward(self, aux, input_ids, loss_mask, teacher, doc_ids=None, positions=None, generator=None):
         """`generator`: the batch's random stream (train/position.py's batch_generator: the same anchors for a batch
@@ -78,7 +80,8 @@ class DFlashObjective(torch.nn.Module):
             teacher_rows.append(b_idx * t + target[b_idx, a_idx, j] - 1)
         count = counted.sum((0, 1)).float()
         weights = self.decay ** torch.arange(block - 1, device=dev, dtype=torch.float32)
-        p, top, _ = teacher
-        total, loss_sums, correct = draft_head_loss(xs, d.lm_head, p.flatten(0, 1), top.flatten(), teacher_rows,
-                                                    weights / (count * weights).sum().clamp(min=1), self.loss_chunk)
-        return total, {"loss_sum": loss_sums, "correct": correct.float(), "count": count}
+        rows = TeacherRows(teacher.p.flatten(0, 1), teacher.top.flatten(), teacher.mass.flatten())
+        out = draft_head_loss(xs, d.lm_head, rows, teacher_rows, weights / (count * weights).sum().clamp(min=1),
+                              self.loss_chunk, self.loss)
+        return out.total, {"loss_sum": out.loss_sums, "correct": out.correct.float(), "alpha_sum": out.alpha_sums,
+                           "count": count}

@@ -25,7 +25,7 @@ from core.run.errors import UserError
 from core.storage.hidden_shards import HiddenShards, decode_hidden
 from core.storage.manifest import check_compat, read_manifest
 from core.target.model import load_target_embeddings, target_info
-from train.data import ShardDataset, collate, precompute_argmax
+from train.data import ShardDataset, collate, precompute_teacher
 from train.ttt_loss import Rows, teacher_targets, ttt_loss
 
 
@@ -39,17 +39,19 @@ def teacher_forced_accuracy(cfg: RunConfig, draft_dir: Path, steps: int, batch: 
     # features of other layers or another target would score the drafter on inputs it never sees: refuse
     check_compat(read_manifest(shards.dir, "extract"), {"target": cfg.target.model,
                                                          "aux_layers": list(drafter.config.aux_layers)}, shards.dir)
-    ds = ShardDataset(shards, shards.ids, max_len, {"argmax": precompute_argmax(shards, target.lm_head, max_len, False)})
-    correct, count = torch.zeros(steps), torch.zeros(steps)
+    ds = ShardDataset(shards, shards.ids, max_len, precompute_teacher(shards, target.lm_head, max_len, False))
+    correct, alpha, count = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     for i in range(0, len(ds), batch):
         b = decode_hidden(collate([ds[j] for j in range(i, min(i + batch, len(ds)))]), to_float=True)
-        teacher = teacher_targets(b["final"], b["loss_mask"], draft_head, drafter.t2d, b["argmax"])
+        teacher = teacher_targets(b["final"], b["loss_mask"], draft_head, drafter.t2d, b["argmax"], None,
+                                  b["teacher_lse"])
         _, sums = ttt_loss(drafter, Rows(b["aux"], b["input_ids"], b["loss_mask"]), teacher, steps, 1.0)
-        correct, count = correct + sums["correct"], count + sums["count"]
+        correct, alpha, count = correct + sums["correct"], alpha + sums["alpha_sum"], count + sums["count"]
     if not count[0]:
         raise UserError(f"{shards.dir}: no sample has a trained-on token to score")
-    acc = correct / count.clamp(min=1)
-    return {"acc": acc.tolist(), "rows": count.tolist(), "implied_tau": 1 + float(torch.cumprod(acc, 0).sum())}
+    acc, alpha = correct / count.clamp(min=1), alpha / count.clamp(min=1)
+    return {"acc": acc.tolist(), "rows": count.tolist(), "implied_tau": 1 + float(torch.cumprod(acc, 0).sum()),
+            "alpha": alpha.tolist(), "alpha_tau": 1 + float(torch.cumprod(alpha, 0).sum())}
 
 
 def main() -> int:
@@ -68,7 +70,8 @@ def main() -> int:
         sys.stderr.write(f"drafter_accuracy: error: {e}\n")
         return 1
     sys.stdout.write(f"teacher-forced acc_k over {int(r['rows'][0]):,} rows: {' '.join(f'{a:.3f}' for a in r['acc'])}; "
-                     f"implied τ at K={args.steps}: {r['implied_tau']:.3f}\n")
+                     f"implied τ at K={args.steps}: {r['implied_tau']:.3f}; alpha_k "
+                     f"{' '.join(f'{a:.3f}' for a in r['alpha'])}: τ {r['alpha_tau']:.3f}\n")
     return 0
 
 

@@ -83,7 +83,7 @@ def batch_loss(f: Fit, batch: dict, epoch: int, index: int, step: int):
         batch = pack(batch, tc.kernels.pack_length)
     mask = batch["valid"] if tc.loss_on_prompt else batch["loss_mask"]
     doc_ids, positions = batch.get("doc_ids"), batch.get("positions")  # packed rows only
-    teacher = teacher_targets(batch["final"], mask, draft_head, t2d, batch["argmax"], doc_ids)
+    teacher = teacher_targets(batch["final"], mask, draft_head, t2d, batch["argmax"], doc_ids, batch["teacher_lse"])
     draws = batch_generator(f.cfg.seed, epoch, index, torch.device("cpu"))  # DFlash's anchors: a resume redraws them
     loss, m = f.objective(batch["aux"], batch["input_ids"], mask, teacher, doc_ids, positions, generator=draws)
     stop_if_not_finite(loss, "loss", step + 1, epoch, batch["ids"], f.source)

@@ -45,6 +45,7 @@ from train.checkpoint import load_checkpoint, read_latest, trim_logs
 from train.data import ShardSource, aux_rms
 from train.deepspeed_config import configure_deepspeed, full_state_dict, register_external_weights
 from train.dflash_loss import DFlashObjective
+from train.draft_head_loss import HeadLoss
 from train.draft_vocab import (
     COUNTS_FILE,
     build_draft_vocab,
@@ -382,14 +383,19 @@ def build(cfg: RunConfig, accelerator: Accelerator, source, options: StepOptions
              len(source.ids), source.num_tokens(), tc.source, draft_ids.numel(), 100 * coverage)
     if dflash:
         drafter, head = build_dflash(cfg, accelerator, source, target)
-        objective = DFlashObjective(drafter, tc.loss_decay, tc.dflash.anchors, cfg.seed, tc.kernels.loss_chunk)
+        objective = DFlashObjective(drafter, tc.loss_decay, tc.dflash.anchors, cfg.seed, tc.kernels.loss_chunk,
+                                    head_loss(tc))
     else:
         drafter = build_drafter(cfg, source.compat["aux_layers"], draft_ids, t2d, target)
         head = ready_drafter(cfg, accelerator, drafter, source, target.lm_head[draft_ids], t2d)
-        objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, options)
+        objective = TTTObjective(drafter, tc.ttt_steps, tc.loss_decay, options, head_loss(tc))
     records = {COUNTS_FILE: counts_record(draft_ids, counts[draft_ids], "assistant tokens of the training samples"),
                trained_prompts.FILE: trained_prompts.record(prompts)}
     return Built(objective, head, source.dataset(target, head.draft_head.dtype, tc.loss_on_prompt), records, coverage)
+
+
+def head_loss(tc: TrainConfig) -> HeadLoss:
+    return HeadLoss(tc.loss, tc.lk_kl_scale, tc.lk_kl_decay)
 
 
 def resume(cfg: RunConfig, accelerator: Accelerator, train_dir: Path, objective, opt):

@@ -31,7 +31,7 @@ from core.target.hidden_capture import capture, capture_compat
 from core.target.model import TargetHead, check_target_fits, load_target, resolve_precision, target_info
 from train.data import AUX_RMS_SAMPLES, collate
 from train.deepspeed_config import whole_modules
-from train.ttt_loss import teacher_argmax
+from train.ttt_loss import teacher_argmax_lse
 
 
 class ConversationDataset(Dataset):
@@ -130,13 +130,14 @@ class OnlineSource:
         return aux.float().masked_fill(~keep, 0), final.float().masked_fill(~keep, 0)
 
     def complete(self, batch: dict) -> dict:
-        """A collated batch (on the device) + aux, final and the full-vocab teacher argmax [B,T] at the
-        positions that are ever a teacher target (what precompute_argmax stores offline)."""
+        """A collated batch (on the device) + aux, final and the full-vocab teacher argmax and logsumexp [B,T] at
+        the positions that are ever a teacher target (what precompute_teacher stores offline)."""
         aux, final = self._capture(batch)
         need = teacher_positions(batch["valid"] if self.on_prompt else batch["loss_mask"]).to(self.device)
         argmax = torch.zeros(need.shape, dtype=torch.long, device=self.device)
-        argmax[need] = teacher_argmax(final[need], self.head)
-        return {**batch, "aux": aux, "final": final, "argmax": argmax}
+        lse = torch.zeros(need.shape, dtype=torch.float32, device=self.device)
+        argmax[need], lse[need] = teacher_argmax_lse(final[need], self.head)
+        return {**batch, "aux": aux, "final": final, "argmax": argmax, "teacher_lse": lse}
 
     def where(self, ids: list[str]) -> str:
         return f"{self.dir} (online captures)"

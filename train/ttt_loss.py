@@ -15,6 +15,7 @@ keys, counted rows and teacher rows stay inside the query's document, so each tr
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from core.drafters.drafter import Eagle3Drafter
 from core.storage.hidden_shards import teacher_positions
-from train.draft_head_loss import draft_head_loss
+from train.draft_head_loss import KL, HeadLoss, TeacherRows, draft_head_loss
 from train.ttt_attention import (
     compiled,
     dense_ttt_attention,
@@ -49,27 +50,51 @@ def teacher_argmax(final: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def teacher_argmax_lse(final: torch.Tensor, lm_head: torch.Tensor, rows_per_pass: int = 1024):
+    """[n,H] -> (argmax [n], logsumexp [n] fp32 of the target's full-vocab logits): `teacher_argmax` plus the
+    normaliser that tells how much of the target's probability the draft vocab holds (`teacher_targets`' mass);
+    fp32 `rows_per_pass` rows at a time (a bf16 logsumexp is off by up to 0.1 at Kimi's ~16)."""
+    logits = final.to(lm_head.dtype) @ lm_head.T
+    lse = torch.cat([torch.logsumexp(part.float(), -1) for part in logits.split(rows_per_pass)]) if len(logits) \
+        else logits.new_zeros(0, dtype=torch.float32)
+    return logits.argmax(-1), lse
+
+
+class Teacher(NamedTuple):
+    """`teacher_targets`: p [B,T,Vd] the target's probabilities renormalised over the draft vocab, top [B,T] the
+    draft index of its argmax, in_vocab [B,T] whether that argmax is in the draft vocab, mass [B,T] fp32 the
+    target's probability of the draft vocab (1 where the full-vocab logsumexp is not given)."""
+    p: torch.Tensor
+    top: torch.Tensor
+    in_vocab: torch.Tensor
+    mass: torch.Tensor
+
+
+@torch.no_grad()
 def teacher_targets(final: torch.Tensor, loss_mask: torch.Tensor, draft_head: torch.Tensor, t2d: torch.Tensor,
-                    argmax: torch.Tensor, doc_ids: torch.Tensor | None = None):
-    """final [B,T,H] -> (p [B,T,Vd] target probs renormalised over the draft vocab,
-    top [B,T] draft index of the target argmax, in_vocab [B,T] whether that argmax is in the draft vocab).
-    draft_head [Vd,H]: the target lm_head's draft-vocab rows, in the matmul dtype (bf16 on GPU; softmax
-    in fp32, p stored in that dtype: bf16 halves the [B,T,Vd] tensor the head loss reads K times, as SpecForge
-    keeps its target_p). argmax [B,T]: the full-vocab argmax (`teacher_argmax`, precomputed once per sample).
-    Only positions j whose next token is an assistant token (loss_mask[j+1]) of the same document (doc_ids
-    [B,T] of packed rows) are ever a target, so only those rows are computed."""
+                    argmax: torch.Tensor, doc_ids: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> Teacher:
+    """final [B,T,H] -> `Teacher`. draft_head [Vd,H]: the target lm_head's draft-vocab rows, in the matmul dtype
+    (bf16 on GPU; softmax in fp32, p stored in that dtype: bf16 halves the [B,T,Vd] tensor the head loss reads K
+    times, as SpecForge keeps its target_p). argmax [B,T]: the full-vocab argmax and lse [B,T] its logsumexp
+    (`teacher_argmax_lse`, precomputed once per sample). Only positions j whose next token is an assistant token
+    (loss_mask[j+1]) of the same document (doc_ids [B,T] of packed rows) are ever a target, so only those rows
+    are computed."""
     b, t, h = final.shape
     need = teacher_positions(loss_mask, doc_ids)  # [B,T]
     target_to_draft = torch.cumsum(t2d.long(), 0) - 1  # target id -> draft index (where t2d)
     p = final.new_zeros(b, t, draft_head.shape[0], dtype=draft_head.dtype)
     top = torch.zeros(b, t, dtype=torch.long, device=final.device)
     in_vocab = torch.zeros(b, t, dtype=torch.bool, device=final.device)
+    mass = torch.ones(b, t, dtype=torch.float32, device=final.device)
     rows = need.nonzero(as_tuple=True)  # once: each boolean index would wait for the device again
-    p[rows] = torch.softmax(final[rows].to(draft_head.dtype) @ draft_head.T, -1, dtype=torch.float32).to(p.dtype)
+    z = final[rows].to(draft_head.dtype) @ draft_head.T
+    p[rows] = torch.softmax(z, -1, dtype=torch.float32).to(p.dtype)
+    if lse is not None:
+        mass[rows] = torch.exp(torch.logsumexp(z.float(), -1) - lse[rows].float()).clamp(max=1)
     hit = argmax[rows]
     top[rows] = target_to_draft[hit].clamp(min=0)
     in_vocab[rows] = t2d[hit]
-    return p, top, in_vocab
+    return Teacher(p, top, in_vocab, mass)
 
 
 def pad_to(x: torch.Tensor, t: int) -> torch.Tensor:
@@ -222,12 +247,12 @@ def later_rows(masks: list[torch.Tensor]) -> tuple:
     return tuple(rows)
 
 
-def ttt_loss(drafter: Eagle3Drafter, rows: Rows, teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-             steps: int, decay: float, options: StepOptions = REFERENCE):
-    """-> (weighted loss, per-step sums {"loss_sum", "correct", "count"}: [K] tensors, detached, not
+def ttt_loss(drafter: Eagle3Drafter, rows: Rows, teacher: Teacher, steps: int, decay: float,
+             options: StepOptions = REFERENCE, loss: HeadLoss = KL):
+    """-> (weighted loss, per-step sums {"loss_sum", "correct", "alpha_sum", "count"}: [K] tensors, detached, not
     synced). Sums, not ratios, so ranks and micro-batches combine exactly (`step_metrics`). teacher:
-    `teacher_targets`' (p, top, in_vocab); options: `StepOptions`."""
-    p, top, in_vocab = teacher
+    `teacher_targets`'; options: `StepOptions`; loss: train.loss (train/draft_head_loss.py)."""
+    p, top, in_vocab, mass = teacher
     b, t = rows.input_ids.shape
     attention = options.attention
     # flex: whole blocks; merged: whole blocks too, so a compiled step meets at most max_len / 128 lengths
@@ -260,30 +285,36 @@ def ttt_loss(drafter: Eagle3Drafter, rows: Rows, teacher: tuple[torch.Tensor, to
         teacher_rows.append(bi * t + ti + k + 1)  # their teacher: the target's distribution at t+k+1
     counts = torch.stack([m.sum() for m in masks])
     scales = decay ** torch.arange(steps, device=aux.device) / counts.clamp(min=1)
-    total, loss_sums, correct = draft_head_loss(xs, drafter.lm_head.weight, p.flatten(0, 1), top.flatten(),
-                                                teacher_rows, scales, options.loss_chunk)
-    return total, {"loss_sum": loss_sums, "correct": correct.float(), "count": counts.float()}
+    out = draft_head_loss(xs, drafter.lm_head.weight, TeacherRows(p.flatten(0, 1), top.flatten(), mass.flatten()),
+                          teacher_rows, scales, options.loss_chunk, loss)
+    return out.total, {"loss_sum": out.loss_sums, "correct": out.correct.float(), "alpha_sum": out.alpha_sums,
+                       "count": counts.float()}
 
 
 def step_metrics(sums: dict[str, torch.Tensor], decay: float) -> dict[str, float]:
-    """Per-step sums (over micro-batches and ranks) -> {"loss", "loss_k", "acc_k"}: ratios of sums,
-    so a rank or batch with few counted rows weighs what its rows weigh."""
+    """Per-step sums (over micro-batches and ranks) -> {"loss", "loss_k", "acc_k", "alpha_k", "tau_alpha"}: ratios
+    of sums, so a rank or batch with few counted rows weighs what its rows weigh. alpha_k: the mean chance that step
+    k's greedy-verified draft is accepted (train/draft_head_loss.py); tau_alpha = 1 + sum_k prod_{j<=k} alpha_j,
+    the τ those rates imply, what the LK losses optimise, beside the τ probe."""
     n = sums["count"].clamp(min=1)
-    loss_k, acc_k = (sums["loss_sum"] / n).tolist(), (sums["correct"] / n).tolist()
+    loss_k, acc_k, alpha_k = ((sums[name] / n).tolist() for name in ("loss_sum", "correct", "alpha_sum"))
     row = {"loss": sum(decay ** k * lk for k, lk in enumerate(loss_k))}
     row.update({f"loss_{k}": v for k, v in enumerate(loss_k)})
     row.update({f"acc_{k}": v for k, v in enumerate(acc_k)})
+    row.update({f"alpha_{k}": v for k, v in enumerate(alpha_k)})
+    row["tau_alpha"] = 1 + sum(math.prod(alpha_k[:k + 1]) for k in range(len(alpha_k)))
     return row
 
 
 class TTTObjective(torch.nn.Module):
     """The drafter plus its TTT unroll as one forward, so DDP / DeepSpeed wrap the whole step."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, options: StepOptions = REFERENCE):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, options: StepOptions = REFERENCE,
+                 loss: HeadLoss = KL):
         super().__init__()
-        self.drafter, self.steps, self.decay, self.options = drafter, steps, decay, options
+        self.drafter, self.steps, self.decay, self.options, self.loss = drafter, steps, decay, options, loss
 
     def forward(self, aux, input_ids, loss_mask, teacher, doc_ids=None, positions=None, generator=None):
         """`generator`: the batch's random stream, which the TTT step draws nothing from (DFlash's draws anchors)."""
         return ttt_loss(self.drafter, Rows(aux, input_ids, loss_mask, doc_ids, positions), teacher, self.steps,
-                        self.decay, self.options)
+                        self.decay, self.options, self.loss)

@@ -183,6 +183,13 @@ class TrainDFlash:
 class TrainConfig:
     ttt_steps: int = _f(7, "training-time-test unroll K", ge=1)
     loss_decay: float = _f(0.8, "weight of step k is decay**k", gt=0, le=1)
+    loss: str = _f("kl", "kl | lk_alpha | lk_lambda: what each step's head loss drives toward the target (LK losses, "
+                         "arXiv 2602.23881). kl = soft cross-entropy; lk_alpha = -log alpha, alpha = sum of "
+                         "min(p, q) over the draft vocab, the chance a greedy-verified draft is accepted; lk_lambda "
+                         "= lam * kl + (1 - lam) * (1 - alpha), lam = lk_kl_scale * exp(-lk_kl_decay * alpha)",
+                   choices=("kl", "lk_alpha", "lk_lambda"))
+    lk_kl_scale: float = _f(1.0, "lk_lambda: the KL weight at alpha = 0", ge=0, le=1)
+    lk_kl_decay: float = _f(3.0, "lk_lambda: how fast the KL weight falls as alpha rises", ge=0)
     draft_vocab_size: int = _f(8192, "rows of the draft lm_head (top tokens by frequency)", ge=1)
     source: str = _f("offline", "offline (hidden shards written by extract) | online (the target runs in the training "
                                 "process on each batch, captured as extract would from the conversations: no shards "
