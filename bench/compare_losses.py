@@ -31,6 +31,12 @@ def stage(*args: str) -> None:
         raise SystemExit(f"{' '.join(args[:1])} exited {proc.returncode}: {proc.stderr[-2000:]}")
 
 
+def target_gguf(out: Path) -> list[str]:
+    """eval.target_gguf=<the target GGUF an earlier run here converted>: the same target, converted once."""
+    found = sorted(out.glob("*/eval/llamacpp/target-*.gguf"))
+    return [f"eval.target_gguf={found[0]}"] if found else []
+
+
 def one_run(source: Path, run: Path, loss: str, seed: int, mt_bench: str | None, over: list[str]) -> dict:
     done = run / "result.json"
     if done.exists():
@@ -44,7 +50,7 @@ def one_run(source: Path, run: Path, loss: str, seed: int, mt_bench: str | None,
     start = time.perf_counter()
     stage("train", *flags)
     train_s = time.perf_counter() - start
-    stage("eval", *flags, "--engine", "llamacpp", "--concurrency", "1")
+    stage("eval", *flags, *target_gguf(run.parent), "--engine", "llamacpp", "--concurrency", "1")
     report = json.loads((run / "eval/report.json").read_text())
     metrics = [json.loads(x) for x in (run / "train/metrics.jsonl").read_text().splitlines()]
     rec = {"loss": loss, "seed": seed, "train_s": round(train_s, 1), "steps": metrics[-1]["step"],

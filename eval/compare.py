@@ -42,15 +42,16 @@ def load_reports(dirs: list[Path]) -> list[dict]:
 
 
 def compare_table(reports: list[dict], names: list[str]) -> str:
-    levels = [lv["concurrency"] for lv in reports[0]["server"]["levels"]]
+    levels = sorted({lv["concurrency"] for r in reports for lv in r["server"]["levels"]})  # a level a run skipped: -
     head = ["drafter", "family", "K", "τ ours", "tok/s ours base → spec", "speedup ours"] + [
         f"{what} @{c}" for c in levels for what in ("τ llama.cpp", "tok/s base → spec", "speedup")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in zip(names, reports, strict=True):
-        hf, cells = r["hf_engine"], []
-        for lv in r["server"]["levels"]:
-            cells += [f"{lv['acceptance_length']:.3f}",
-                      f"{lv['base']['tokens_per_s']:.1f} → {lv['spec']['tokens_per_s']:.1f}", f"**{lv['speedup']:.2f}x**"]
+        hf, cells, at = r["hf_engine"], [], {lv["concurrency"]: lv for lv in r["server"]["levels"]}
+        for lv in (at.get(c) for c in levels):
+            cells += ["-"] * 3 if lv is None else [
+                f"{lv['acceptance_length']:.3f}", f"{lv['base']['tokens_per_s']:.1f} → {lv['spec']['tokens_per_s']:.1f}",
+                f"**{lv['speedup']:.2f}x**"]
         lines.append("| " + " | ".join([name, r["drafter_family"], str(r["draft_steps"]),
                                           f"**{hf['acceptance_length']:.3f}**",
                                           f"{hf['tokens_per_s_baseline']:.1f} → {hf['tokens_per_s_spec']:.1f}",

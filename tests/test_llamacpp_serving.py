@@ -10,8 +10,8 @@ token the drafter is off its training data in one engine only). On those, the dr
 accepted per prompt (its `timings.draft_n_accepted`) must equal ours on >= 90% of prompts and within 5%
 in total; measured: equal on 10 of 10. Reading the aux layers one off must break that (measured: 40
 accepted instead of 83). The same data trained with train.norm_before_fc=true (EAGLE-3.1: llama.cpp's
-eagle3 encoder applies enc.output_norm before fc) agrees the same way: measured equal on 10 of 10, 84
-accepted drafts in both engines (τ 2.25 ours). A DFlash block drafter trained on the same shards (block 4, the
+eagle3 encoder applies enc.output_norm before fc) and train.loss=lk_lambda agrees the same way: measured equal
+on 10 of 10, 84 accepted drafts in both engines (τ 2.32 ours). A DFlash block drafter trained on the same shards (block 4, the
 target's own LM head, so it needs more steps: 80 epochs at lr 1e-2) agrees as well: measured equal on 10 of 10
 prompts, 81 accepted drafts in both engines (τ 2.19 ours)."""
 
@@ -52,14 +52,15 @@ def llamacpp_accepted(rows: list[dict]) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def served_norm_before_fc(served, overfit_tiny, tmp_path_factory):
-    """The overfit run's conversations and shards, trained again with train.norm_before_fc=true (EAGLE-3.1),
-    then converted and served the same way, beside the target GGUF that `served` converted (eval.target_gguf:
+    """The overfit run's conversations and shards, trained again with train.norm_before_fc=true (EAGLE-3.1) and
+    train.loss=lk_lambda (an LK loss trains, exports and serves as kl does), then converted and served the same way, beside the target GGUF that `served` converted (eval.target_gguf:
     the same target through the same converter)."""
     _, run_dir, flags, prompts = overfit_tiny
     norm_run = tmp_path_factory.mktemp("norm-before-fc") / "run"
     for stage_dir in ("conversations", "hidden"):
         shutil.copytree(run_dir / stage_dir, norm_run / stage_dir)
-    norm_flags = [str(norm_run) if f == str(run_dir) else f for f in flags] + ["train.norm_before_fc=true"]
+    norm_flags = [str(norm_run) if f == str(run_dir) else f for f in flags] + ["train.norm_before_fc=true",
+                                                                              "train.loss=lk_lambda"]
     run_stage("train", *norm_flags)
     target = served[1] / "eval/llamacpp/target-f32.gguf"
     run_stage("eval", *norm_flags, f"eval.target_gguf={target}", "--engine", "llamacpp", "--prompts", str(prompts),
@@ -71,7 +72,7 @@ def served_norm_before_fc(served, overfit_tiny, tmp_path_factory):
 def served_dflash(served, overfit_tiny, tmp_path_factory):
     """The overfit run's shards, a DFlash block drafter trained on them (block 4: 3 drafts a verification, K=3 as
     the EAGLE-3 drafter), converted by llama.cpp's DFlashModel and served with --spec-type draft-dflash beside the
-    same target GGUF."""
+    same target GGUF, one request in flight (two are the EAGLE-3 drafter's test: the same server code)."""
     _, run_dir, flags, prompts = overfit_tiny
     dflash_run = tmp_path_factory.mktemp("dflash") / "run"
     for stage_dir in ("conversations", "hidden"):
@@ -82,7 +83,7 @@ def served_dflash(served, overfit_tiny, tmp_path_factory):
     run_stage("train", *dflash_flags)
     target = served[1] / "eval/llamacpp/target-f32.gguf"
     run_stage("eval", *dflash_flags, f"eval.target_gguf={target}", "--engine", "llamacpp", "--prompts", str(prompts),
-              "--concurrency", "1,2")
+              "--concurrency", "1")
     return dflash_run, json.loads((dflash_run / "eval/report.json").read_text())
 
 
@@ -93,6 +94,7 @@ def test_llamacpp_accepts_what_our_engine_accepts(served):
 def test_llamacpp_accepts_what_our_engine_accepts_with_norm_before_fc(served_norm_before_fc):
     norm_run, report = served_norm_before_fc
     assert json.loads((norm_run / "drafter/config.json").read_text())["norm_before_fc"] is True
+    assert json.loads((norm_run / "train/manifest.json").read_text())["settings"]["train.loss"] == "lk_lambda"
     assert_engines_agree(report)
 
 
@@ -114,6 +116,7 @@ def test_eval_compare_puts_the_two_families_side_by_side(served, served_dflash, 
     rows = [line for line in table.splitlines() if line.startswith(f"| {eagle}") or line.startswith(f"| {dflash}")]
     assert [row.split(" | ")[1] for row in rows] == ["EAGLE-3", "DFlash"]
     assert "τ llama.cpp @1" in table and "τ llama.cpp @2" in table
+    assert rows[1].endswith("| - | - | - |")  # DFlash ran at 1 request in flight only: its @2 cells say so
     wrong = run_stage("eval", "compare", str(eagle), str(served_dflash[0] / "train"), check=False)
     assert wrong.returncode == 1 and "not an eval report" in wrong.stderr.splitlines()[-1]
     # the family is the report's own record, not a look at a drafter dir that may have moved since

@@ -74,6 +74,7 @@ def parse_stage_args(prog: str, doc: str, extend=None, argv=None, apply=None) ->
         dry_run(parser, prog, cfg, args)
     setup_logging()
     set_threads(cfg.threads)
+    keep_freed_memory()
     return cfg, args
 
 
@@ -114,6 +115,27 @@ def set_threads(threads: int) -> int:
     torch.set_num_threads(n)
     logging.getLogger("eagle3").info("torch threads: %d (from %s)", n, why)
     return n
+
+
+def keep_freed_memory() -> bool:
+    """On a machine without CUDA, have glibc's malloc keep freed memory for reuse instead of handing it back: it
+    maps every block over 32 MB afresh (a draft-vocab logits chunk, DFlash's full-vocab teacher rows) and the
+    kernel zeroes each new page, which cost a CPU training step more system time than its matmuls' user time
+    (tests/test_llamacpp_serving.py's DFlash run: 11.0 s of system time in 24 steps, 1.5 s so; peak memory +9%).
+    -> whether it applied (glibc only; GPU machines keep the defaults: their hosts load hundreds of GB)."""
+    import ctypes
+    import ctypes.util
+
+    import torch
+
+    if torch.cuda.is_available() or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError):  # another C library
+        return False
 
 
 def idle_cores(window_s: float = 0.3) -> int | None:
