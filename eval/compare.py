@@ -4,7 +4,8 @@ llama.cpp at each concurrency level.
 
     python -m eval compare runs/a/eval runs/b/eval [--out DIR]      # -> DIR/compare.md (default: the first dir)
 
-Reports of another target, other prompts, token budget or concurrency levels are refused: their numbers would not compare.
+Reports of another target, other prompts or token budget are refused: their numbers would not compare. A concurrency
+level only some reports ran shows "-" in the others' cells.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ def load_reports(dirs: list[Path]) -> list[dict]:
                             "engine's)")
         if not r.get("drafter_family"):  # the report's own record: the drafter dir may be gone or moved since
             raise UserError(f"{d}/report.json: no drafter_family recorded (an older eval): rerun that eval")
-        r["levels"] = [lv["concurrency"] for lv in r["server"]["levels"]]
-        differ = [k for k in (*SAME, "levels") if r.get(k) != reports[0].get(k)]
+        differ = [k for k in SAME if r.get(k) != reports[0].get(k)]
         if differ:
             raise UserError(f"{d}/report.json: {differ[0]} = {r.get(differ[0])!r}, but {dirs[0]}'s is "
                             f"{reports[0].get(differ[0])!r}: only runs on the same target and prompts compare")
