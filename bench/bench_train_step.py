@@ -39,6 +39,7 @@ import dataclasses
 import gc
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -55,6 +56,7 @@ from core.drafters.drafter_config import DraftVariant, MLAShape  # noqa: E402
 from core.run.config import TrainConfig, TrainKernels, load_config  # noqa: E402
 from core.run.plan import drafter_params  # noqa: E402
 from core.target.model import read_target_config  # noqa: E402
+from train.draft_head_loss import HeadLoss  # noqa: E402
 from train.loop import cudnn_takes, frozen_to_matmul_dtype, make_optimizer, step_options  # noqa: E402
 from train.master_weights import weights_to_bf16  # noqa: E402
 from train.packing import pack  # noqa: E402
@@ -106,7 +108,8 @@ def build(s: dict, device: torch.device, seed: int = 0) -> Eagle3Drafter:
 
 
 def batch(s: dict, b: int, t: int, d: Eagle3Drafter, device, mask_frac: float = 1.0, seed: int = 1):
-    """Inputs as train/data.collate hands them (aux and final fp32) plus the precomputed argmax."""
+    """Inputs as train/data.collate hands them (aux and final fp32) plus the precomputed argmax; the full-vocab
+    logsumexp is `with_teacher_lse`'s, from the draft head."""
     g = torch.Generator(device=device).manual_seed(seed)
     draft_ids = d.t2d.nonzero().flatten()
     loss_mask = (torch.rand(b, t, device=device, generator=g) < mask_frac).to(torch.uint8)
@@ -117,6 +120,14 @@ def batch(s: dict, b: int, t: int, d: Eagle3Drafter, device, mask_frac: float = 
             "final": torch.randn(b, t, s["hidden"], device=device, generator=g),
             "input_ids": torch.randint(0, s["vocab"], (b, t), device=device, generator=g),
             "loss_mask": loss_mask, "argmax": argmax}
+
+
+def with_teacher_lse(x: dict, draft_head: torch.Tensor) -> dict:
+    """x + teacher_lse: the full-vocab logsumexp as if the draft vocab held 85% of the target's probability (the
+    draft-vocab mass `teacher_targets` computes each step)."""
+    with torch.no_grad():
+        lse = torch.logsumexp((x["final"].to(draft_head.dtype) @ draft_head.T).float(), -1) - math.log(0.85)
+    return {**x, "teacher_lse": lse}
 
 
 def documents(t: int, b: int, device) -> tuple[dict, float]:
@@ -133,26 +144,26 @@ def documents(t: int, b: int, device) -> tuple[dict, float]:
     return {"doc_ids": doc_ids.expand(b, t).to(device), "positions": positions.expand(b, t).to(device)}, span
 
 
-def objective_for(d: Eagle3Drafter, device, k_steps: int, kernels: TrainKernels) -> TTTObjective:
-    return TTTObjective(d, k_steps, 0.8, step_options(kernels, device, d.config))
+def objective_for(d: Eagle3Drafter, device, k_steps: int, kernels: TrainKernels, loss: str = "kl") -> TTTObjective:
+    return TTTObjective(d, k_steps, 0.8, step_options(kernels, device, d.config), HeadLoss(loss))
 
 
-def bench(args, s: dict, t: int, variant: str, kernels: TrainKernels, device) -> dict:
+def bench(args, s: dict, t: int, variant: str, kernels: TrainKernels, device, loss: str = "kl") -> dict:
     from accelerate import Accelerator
 
     rec = {"impl": "eagle3", "variant": variant, "kernels": dataclasses.asdict(kernels), "seq_len": t,
-           "batch": args.batch, "ttt": args.ttt}
+           "batch": args.batch, "ttt": args.ttt, "head_loss": loss}
     torch._dynamo.reset()  # static-shape graphs for this length
     d = build(s, device)
     frozen_to_matmul_dtype(d, "bf16" if device.type == "cuda" else "fp32")
     if kernels.bf16_weights:  # as train/loop.py does under train.kernels.bf16_weights
         weights_to_bf16(d)
     accelerator = Accelerator(mixed_precision="bf16" if device.type == "cuda" else "no", cpu=device.type != "cuda")
-    objective = accelerator.prepare(objective_for(d, device, args.ttt, kernels))
+    objective = accelerator.prepare(objective_for(d, device, args.ttt, kernels, loss))
     rec["attention"], rec["unroll"] = objective.options.attention, objective.options.unroll
     draft_head = (torch.randn(s["draft_vocab"], s["hidden"], device=device) * s["hidden"] ** -0.5).to(
         torch.bfloat16 if device.type == "cuda" else torch.float32)
-    x = batch(s, args.batch, t, d, device)
+    x = with_teacher_lse(batch(s, args.batch, t, d, device), draft_head)
     docs, span = documents(t, args.batch, device) if kernels.pack_length else ({}, None)
     params = [p for p in objective.parameters() if p.requires_grad]
     tc = TrainConfig(lr=1e-5, kernels=kernels)
@@ -162,7 +173,8 @@ def bench(args, s: dict, t: int, variant: str, kernels: TrainKernels, device) ->
     def step():
         for p in params:
             p.grad = None
-        teacher = teacher_targets(x["final"], x["loss_mask"], draft_head, d.t2d, x["argmax"], docs.get("doc_ids"))
+        teacher = teacher_targets(x["final"], x["loss_mask"], draft_head, d.t2d, x["argmax"], docs.get("doc_ids"),
+                                  x["teacher_lse"])
         loss, sums = objective(x["aux"], x["input_ids"], x["loss_mask"], teacher, **docs)
         accelerator.backward(loss)
         if opt:  # as train/fit.py: clip, step, grads to None
@@ -377,6 +389,8 @@ def main() -> None:
     ap.add_argument("--specforge-harness", default=".carry/specforge_step.py")
     ap.add_argument("--specforge-shape", default="8b", choices=("8b", "kimi-k2.5"),
                     help="SpecForge's drafter for the comparison (bench/specforge_full_step.py --shape)")
+    ap.add_argument("--losses", default="kl", help="train.loss values to time, each a record (kl,lk_alpha,lk_lambda: "
+                                                   "the LK losses' cost as a ratio to kl)")
     ap.add_argument("--with-optimizer", action="store_true",
                     help="time whole training steps: + AdamW (ours) / BF16Optimizer (SpecForge's), see above")
     ap.add_argument("--out", default=None, help="append one JSON line per record")
@@ -431,14 +445,15 @@ def main() -> None:
         if args.specforge_wheel:
             specforge(args, t, emit)
         for name in args.variants.split(",") if not args.smoke else variants:
-            emit(bench_or_error(args, s, t, name, kernels_for(name, t), device))
+            for loss in args.losses.split(","):
+                emit(bench_or_error(args, s, t, name, kernels_for(name, t), device, loss))
     print_table(records)
 
 
-def bench_or_error(args, s: dict, t: int, name: str, kernels: TrainKernels, device) -> dict:
+def bench_or_error(args, s: dict, t: int, name: str, kernels: TrainKernels, device, loss: str = "kl") -> dict:
     """One variant's record, or its error: one variant's failure (OOM, a compile error) must not cost the others'."""
     try:
-        return bench(args, s, t, name, kernels, device)
+        return bench(args, s, t, name, kernels, device, loss)
     except torch.OutOfMemoryError as e:
         return {"impl": "eagle3", "variant": name, "seq_len": t, "error": "OOM", "detail": str(e)[:200]}
     except Exception as e:  # noqa: BLE001 -- see the docstring
@@ -456,7 +471,8 @@ def print_table(records: list[dict]) -> None:
     for r in records:
         if "seq_len" not in r:
             continue
-        name = r["impl"] if r["impl"] == "specforge" else f"eagle3 {r['variant']}"
+        name = r["impl"] if r["impl"] == "specforge" else f"eagle3 {r['variant']}" + (
+            f" {r['head_loss']}" if r.get("head_loss", "kl") != "kl" else "")
         if "tokens_per_s" not in r:
             print(f"| {r['seq_len']} | {name} | {r.get('error', 'failed')} | | | |")
             continue
