@@ -56,8 +56,8 @@ from core.drafters.drafter_config import DraftVariant, MLAShape  # noqa: E402
 from core.run.config import TrainConfig, TrainKernels, load_config  # noqa: E402
 from core.run.plan import drafter_params  # noqa: E402
 from core.target.model import read_target_config  # noqa: E402
-from train.draft_head_loss import HeadLoss  # noqa: E402
 from train.loop import cudnn_takes, frozen_to_matmul_dtype, make_optimizer, step_options  # noqa: E402
+from train.loss_kind import HeadLoss  # noqa: E402
 from train.master_weights import weights_to_bf16  # noqa: E402
 from train.packing import pack  # noqa: E402
 from train.ttt_loss import TTTObjective, teacher_targets  # noqa: E402

@@ -94,12 +94,15 @@ def test_overfits_one_batch():
 def test_metrics_are_ratios_of_summed_counts():
     """Two ranks (or micro-batches): one row all right, 99 rows all wrong -> acc 0.01, not a mean of
     ratios (0.5); the loss is the decay-weighted sum of per-step means."""
-    a = {"loss_sum": torch.tensor([2.0, 1.0]), "correct": torch.tensor([1.0, 0.0]), "count": torch.tensor([1.0, 1.0])}
-    b = {"loss_sum": torch.tensor([0.0, 0.0]), "correct": torch.tensor([0.0, 0.0]), "count": torch.tensor([99.0, 0.0])}
+    a = {"loss_sum": torch.tensor([2.0, 1.0]), "correct": torch.tensor([1.0, 0.0]), "alpha_sum": torch.tensor([1.0, 0.5]),
+         "count": torch.tensor([1.0, 1.0])}
+    b = {"loss_sum": torch.tensor([0.0, 0.0]), "correct": torch.tensor([0.0, 0.0]), "alpha_sum": torch.tensor([9.0, 0.0]),
+         "count": torch.tensor([99.0, 0.0])}
     row = step_metrics({k: a[k] + b[k] for k in a}, decay=0.5)
     assert row["acc_0"] == pytest.approx(0.01) and row["acc_1"] == 0.0
     assert row["loss_0"] == pytest.approx(0.02) and row["loss_1"] == 1.0  # step 1 counted rows on one rank only
     assert row["loss"] == pytest.approx(0.02 + 0.5 * 1.0)
+    assert row["alpha_0"] == pytest.approx(0.1) and row["alpha_1"] == 0.5
 
 
 def test_teacher_drops_targets_outside_draft_vocab():
@@ -107,7 +110,7 @@ def test_teacher_drops_targets_outside_draft_vocab():
     final = torch.randn(1, 4, H)
     lm_head = torch.zeros(V, H)
     lm_head[V - 1] = final[0, 1] * 100  # argmax at position 1 -> token V-1, outside the draft vocab
-    _, _, in_vocab = teacher_of(d, final, torch.ones(1, 4, dtype=torch.uint8), lm_head)
+    in_vocab = teacher_of(d, final, torch.ones(1, 4, dtype=torch.uint8), lm_head).in_vocab
     assert not bool(d.t2d[V - 1]) and in_vocab[0, 1].item() is False
 
 

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECK = r"""
 import json, sys
 import torch
-from train.draft_head_loss import HeadLoss, chunk_terms
+from train.draft_head_loss import chunk_terms
+from train.loss_kind import HeadLoss
 from train.head_loss_kernel import BLOCK, fused_chunk_terms
 
 torch.manual_seed(0)

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from train.draft_head_loss import KL, HeadLoss, TeacherRows, chunk_terms, draft_head_loss, row_losses
+from train.draft_head_loss import TeacherRows, chunk_terms, draft_head_loss, row_losses
+from train.loss_kind import KL, HeadLoss
 from train.ttt_loss import step_metrics
 
 LOSSES = [HeadLoss("kl"), HeadLoss("lk_alpha"), HeadLoss("lk_lambda", 0.9, 3.0)]

@@ -14,7 +14,7 @@ from train import ttt_attention
 from train.fit import Fit, TeacherHead, batch_loss
 from train.packing import pack
 from train.ttt_attention import BLOCK, dense_ttt_attention, flex_ttt_attention, ttt_block_mask
-from train.ttt_loss import Rows, StepOptions, TTTObjective, teacher_argmax, teacher_targets, ttt_loss
+from train.ttt_loss import Rows, StepOptions, TTTObjective, teacher_argmax_lse, teacher_targets, ttt_loss
 
 LENGTHS, PACK, K = [20, 15, 25, 12], 40, 4  # next-fit: rows [20 | 15 | 5 pad], [25 | 12 | 3 pad]
 
@@ -26,11 +26,12 @@ def padded_batch(lengths, d, seed=1):
     b, t, h = len(lengths), max(lengths), d.config.target_hidden_size
     valid = (torch.arange(t)[None] < torch.tensor(lengths)[:, None]).to(torch.uint8)
     final = torch.randn(b, t, h, generator=g) * valid[..., None]
+    argmax, lse = teacher_argmax_lse(final, lm_head(d))
     return {"ids": [f"s{i}" for i in range(b)], "valid": valid,
             "input_ids": torch.randint(0, d.config.vocab_size, (b, t), generator=g) * valid,
             "loss_mask": (torch.rand(b, t, generator=g) < 0.5).to(torch.uint8) * valid,
             "aux": torch.randn(b, t, 3 * h, generator=g) * valid[..., None], "final": final,
-            "argmax": teacher_argmax(final, lm_head(d)) * valid}
+            "argmax": argmax * valid, "teacher_lse": lse * valid}
 
 
 def lm_head(d):
@@ -110,11 +111,13 @@ def test_packed_teacher_rows_are_the_documents_own():
     batch = padded_batch(LENGTHS, d)
     p = pack(batch, PACK)
     head = lm_head(d)[d.t2d]
-    alone = teacher_targets(batch["final"], batch["valid"], head, d.t2d, batch["argmax"])
-    packed = teacher_targets(p["final"], p["valid"], head, d.t2d, p["argmax"], p["doc_ids"])
-    repacked = pack({"valid": batch["valid"], "p": alone[0], "top": alone[1], "in_vocab": alone[2]}, PACK)
-    for got, want in zip(packed, (repacked["p"], repacked["top"], repacked["in_vocab"]), strict=True):
-        assert torch.equal(got, want)
+    alone = teacher_targets(batch["final"], batch["valid"], head, d.t2d, batch["argmax"], None, batch["teacher_lse"])
+    packed = teacher_targets(p["final"], p["valid"], head, d.t2d, p["argmax"], p["doc_ids"], p["teacher_lse"])
+    repacked = pack({"valid": batch["valid"], **alone._asdict()}, PACK)
+    for name in ("p", "top", "in_vocab"):
+        assert torch.equal(getattr(packed, name), repacked[name]), name
+    inside = p["valid"].bool()  # the draft vocab's mass: 1 on the rows padding a pack, as on any non-teacher row
+    assert torch.equal(packed.mass[inside], repacked["mass"][inside]) and (packed.mass[inside] < 1).any()
 
 
 def test_a_document_never_reads_another():

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from core.drafters.dflash import DFlashDrafter
-from train.draft_head_loss import KL, HeadLoss, TeacherRows, draft_head_loss
+from train.draft_head_loss import TeacherRows, draft_head_loss
+from train.loss_kind import KL, HeadLoss
 
 
 def draw_anchors(loss_mask: torch.Tensor, anchors: int, generator: torch.Generator) -> torch.Tensor:

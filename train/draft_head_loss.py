@@ -25,18 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-LOSSES = ("kl", "lk_alpha", "lk_lambda")
-TINY = 1e-30  # alpha below this (fp32 underflow of every overlap term) counts as this: -log alpha stays finite
-
-
-class HeadLoss(NamedTuple):
-    """train.loss and lk_lambda's weight lam = kl_scale * exp(-kl_decay * alpha)."""
-    kind: str = "kl"
-    kl_scale: float = 1.0
-    kl_decay: float = 3.0
-
-
-KL = HeadLoss()
+from train.loss_kind import KL, TINY, HeadLoss
 
 
 class TeacherRows(NamedTuple):

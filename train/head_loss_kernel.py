@@ -19,9 +19,50 @@ import torch
 import triton
 import triton.language as tl
 
-from train.draft_head_loss import LOSSES, TINY, HeadLoss
+from train.loss_kind import LOSSES, TINY, HeadLoss
 
 BLOCK = 2048  # elements of a row per iteration: 2 x 8 KB of bf16 in flight per program
+
+
+@triton.jit
+def _row_stats(z_row, p_row, vd, BLOCK: tl.constexpr):
+    """Pass 1 over a row: -> (logsumexp of z, sum(p), sum(p*z)), the max and sum of exp online."""
+    offs = tl.arange(0, BLOCK)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    sp = tl.zeros((), tl.float32)
+    spz = tl.zeros((), tl.float32)
+    for start in range(0, vd, BLOCK):
+        cols = start + offs
+        inside = cols < vd
+        z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        p = tl.load(p_row + cols, mask=inside, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m = m_new
+        sp += tl.sum(p, 0)
+        spz += tl.sum(p * tl.where(inside, z, 0.0), 0)
+    return m + tl.log(s), sp, spz
+
+
+@triton.jit
+def _lk_gradient(z_row, p_row, g_row, vd, lse, sp, mass, alpha, a_under, lam, scale, tiny, LOSS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Pass 3 over a row, the LK losses only: g = -(d alpha / dz) / alpha (lk_alpha) or lam * (q * sum(p) - p)
+    - (1 - lam) * d alpha / dz (lk_lambda), d alpha / dz = q * (u - A), times the row's scale."""
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, vd, BLOCK):
+        cols = start + offs
+        inside = cols < vd
+        z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        p = tl.load(p_row + cols, mask=inside, other=0.0).to(tl.float32)
+        q = tl.exp(z - lse)
+        d_alpha = q * (tl.where(q < p * mass, 1.0, 0.0) - a_under)
+        if LOSS == 1:
+            g = tl.where(alpha > tiny, -d_alpha / tl.maximum(alpha, tiny), 0.0)
+        else:
+            g = lam * (q * sp - p) - (1 - lam) * d_alpha
+        tl.store(g_row + cols, (g * scale).to(g_row.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -32,24 +73,9 @@ def _row_terms(z_ptr, p_ptr, g_ptr, rows_ptr, top_ptr, scale_ptr, mass_ptr, loss
     z_row = z_ptr + i.to(tl.int64) * stride_z  # the chunk's row i
     g_row = g_ptr + i.to(tl.int64) * stride_g
     p_row = p_ptr + row.to(tl.int64) * stride_p  # its teacher row
-    mass = tl.load(mass_ptr + row)
+    mass, scale = tl.load(mass_ptr + row), tl.load(scale_ptr + i)
+    lse, sp, spz = _row_stats(z_row, p_row, vd, BLOCK)
     offs = tl.arange(0, BLOCK)
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    sp = tl.zeros((), tl.float32)
-    spz = tl.zeros((), tl.float32)
-    for start in range(0, vd, BLOCK):  # pass 1: online max and sum of exp; sum(p), sum(p*z)
-        cols = start + offs
-        inside = cols < vd
-        z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        p = tl.load(p_row + cols, mask=inside, other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
-        m = m_new
-        sp += tl.sum(p, 0)
-        spz += tl.sum(p * tl.where(inside, z, 0.0), 0)
-    lse = m + tl.log(s)
-    scale = tl.load(scale_ptr + i)
     best = tl.full((), float("-inf"), tl.float32)
     best_at = tl.zeros((), tl.int32)
     alpha = tl.zeros((), tl.float32)
@@ -73,25 +99,10 @@ def _row_terms(z_ptr, p_ptr, g_ptr, rows_ptr, top_ptr, scale_ptr, mass_ptr, loss
         best = tl.maximum(best, block_best)
     ce = sp * lse - spz
     lam = kl_scale * tl.exp(-kl_decay * alpha)
+    loss = ce
     if LOSS != 0:
-        for start in range(0, vd, BLOCK):  # pass 3: the LK gradient, from alpha and A
-            cols = start + offs
-            inside = cols < vd
-            z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
-            p = tl.load(p_row + cols, mask=inside, other=0.0).to(tl.float32)
-            q = tl.exp(z - lse)
-            d_alpha = q * (tl.where(q < p * mass, 1.0, 0.0) - a_under)
-            if LOSS == 1:
-                g = tl.where(alpha > tiny, -d_alpha / tl.maximum(alpha, tiny), 0.0)
-            else:
-                g = lam * (q * sp - p) - (1 - lam) * d_alpha
-            tl.store(g_row + cols, (g * scale).to(g_ptr.dtype.element_ty), mask=inside)
-    if LOSS == 0:
-        loss = ce
-    elif LOSS == 1:
-        loss = -tl.log(tl.maximum(alpha, tiny))
-    else:
-        loss = lam * ce + (1 - lam) * (1 - alpha)
+        _lk_gradient(z_row, p_row, g_row, vd, lse, sp, mass, alpha, a_under, lam, scale, tiny, LOSS, BLOCK)
+        loss = -tl.log(tl.maximum(alpha, tiny)) if LOSS == 1 else lam * ce + (1 - lam) * (1 - alpha)
     tl.store(loss_ptr + i, loss)
     tl.store(alpha_ptr + i, alpha)
     tl.store(right_ptr + i, (best_at == tl.load(top_ptr + row)).to(tl.int8))

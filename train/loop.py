@@ -45,7 +45,6 @@ from train.checkpoint import load_checkpoint, read_latest, trim_logs
 from train.data import ShardSource, aux_rms
 from train.deepspeed_config import configure_deepspeed, full_state_dict, register_external_weights
 from train.dflash_loss import DFlashObjective
-from train.draft_head_loss import HeadLoss
 from train.draft_vocab import (
     COUNTS_FILE,
     build_draft_vocab,
@@ -55,6 +54,7 @@ from train.draft_vocab import (
     token_counts,
 )
 from train.fit import Fit, TeacherHead, fit
+from train.loss_kind import HeadLoss
 from train.master_weights import MasterWeightAdamW, weights_to_bf16
 from train.plots import plot_curves
 from train.position import accum_for

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from core.drafters.drafter import Eagle3Drafter
 from core.storage.hidden_shards import teacher_positions
-from train.draft_head_loss import KL, HeadLoss, TeacherRows, draft_head_loss
+from train.draft_head_loss import TeacherRows, draft_head_loss
+from train.loss_kind import KL, HeadLoss
 from train.ttt_attention import (
     compiled,
     dense_ttt_attention,
