@@ -148,7 +148,7 @@ def bench_extract(model, peak, batch=4, seq=512):
 
 
 def bench_train(cfg, model, peak, batch=4, seq=512, steps=5, vd=8192):
-    from train.ttt_loss import StepOptions, TTTObjective, teacher_argmax, teacher_targets
+    from train.ttt_loss import StepOptions, TTTObjective, teacher_argmax_lse, teacher_targets
 
     device, h = model.device, model.config.hidden_size
     d, target, draft_ids, t2d = target_shaped_drafter(cfg, model, vd)
@@ -159,10 +159,10 @@ def bench_train(cfg, model, peak, batch=4, seq=512, steps=5, vd=8192):
     ids = torch.randint(0, vd, (batch, seq), device=device)
     mask = torch.ones(batch, seq, dtype=torch.uint8, device=device)
     draft_head, tt = head[draft_ids.to(device)], t2d.to(device)
-    argmax = teacher_argmax(final, head)  # precomputed once per sample in train, as here
+    argmax, lse = teacher_argmax_lse(final, head)  # precomputed once per sample in train, as here
 
     def step(objective=obj):
-        loss, _ = objective(aux, ids, mask, teacher_targets(final, mask, draft_head, tt, argmax))
+        loss, _ = objective(aux, ids, mask, teacher_targets(final, mask, draft_head, tt, argmax, None, lse))
         loss.backward()
 
     t = timed(step, device)

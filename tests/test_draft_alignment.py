@@ -17,7 +17,7 @@ from core.target.model import load_target, load_target_embeddings
 from tests.conftest import ROOT
 from train.draft_vocab import build_draft_vocab
 from train.loop import build_drafter
-from train.ttt_loss import Rows, Teacher, TTTObjective, teacher_argmax, teacher_targets, ttt_loss
+from train.ttt_loss import Rows, Teacher, TTTObjective, teacher_argmax_lse, teacher_targets, ttt_loss
 
 K = 3
 ANSWER_TOKENS = 40
@@ -114,7 +114,8 @@ def test_overfit_one_sequence_then_decode_accepts_nearly_every_draft(seq):
     loss_mask = torch.zeros_like(ids, dtype=torch.uint8)
     loss_mask[0, len(prompt):] = 1
     lm_head = load_target_embeddings(cfg).lm_head
-    teacher = teacher_targets(final, loss_mask, lm_head[draft_ids], t2d, teacher_argmax(final, lm_head))
+    argmax, lse = teacher_argmax_lse(final, lm_head)
+    teacher = teacher_targets(final, loss_mask, lm_head[draft_ids], t2d, argmax, None, lse)
     objective = TTTObjective(drafter, K, 0.8)
     opt = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=2e-3)
     for _ in range(300):

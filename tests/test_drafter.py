@@ -25,7 +25,7 @@ from train.ttt_loss import (
     StepOptions,
     TTTObjective,
     step_metrics,
-    teacher_argmax,
+    teacher_argmax_lse,
     teacher_targets,
     ttt_loss,
 )
@@ -56,7 +56,8 @@ def batch(seed=1):
 
 
 def teacher_of(d: Eagle3Drafter, final, mask, lm_head):
-    return teacher_targets(final, mask, lm_head[d.t2d], d.t2d, teacher_argmax(final, lm_head))
+    argmax, lse = teacher_argmax_lse(final, lm_head)
+    return teacher_targets(final, mask, lm_head[d.t2d], d.t2d, argmax, None, lse)
 
 
 def test_shapes():

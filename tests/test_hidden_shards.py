@@ -175,7 +175,6 @@ def test_teacher_argmax_over_several_samples_per_product_matches_one_sample_at_a
     gets back its own rows' argmax and logsumexp, in place (a sample with no answer rows and max_len cuts
     included)."""
     from train.data import precompute_teacher
-    from train.ttt_loss import teacher_argmax
 
     lengths = [12, 7, 20, 9, 15]
     with ShardWriter(tmp_path, H, "fp32", shard_mb=64) as w:
@@ -190,8 +189,9 @@ def test_teacher_argmax_over_several_samples_per_product_matches_one_sample_at_a
             need = torch.ones_like(s["loss_mask"]) if on_prompt else s["loss_mask"]
             need = torch.cat([need[1:], need.new_zeros(1)]).bool()  # positions whose next token counts
             need[14:] = False
-            want[f"s{i}"] = torch.where(need, teacher_argmax(s["final"], head), 0)
-            want_lse[f"s{i}"] = torch.where(need, torch.logsumexp(s["final"] @ head.T, -1), 0)
+            logits = s["final"] @ head.T  # one sample at a time
+            want[f"s{i}"] = torch.where(need, logits.argmax(-1), 0)
+            want_lse[f"s{i}"] = torch.where(need, torch.logsumexp(logits, -1), 0)
         for rows_per_call in (1, 8, 4096):
             got = precompute_teacher(shards, head, 14, on_prompt, rows_per_call)
             assert all(torch.equal(got["argmax"][k], v) for k, v in want.items()), (on_prompt, rows_per_call)

@@ -35,13 +35,13 @@ def test_alpha_is_one_minus_total_variation_and_counts_only_the_draft_vocabs_own
     q = torch.tensor([[0.2, 0.3, 0.1, 0.4], [0.7, 0.1, 0.1, 0.1]])
     one = torch.ones(2)
     for loss in LOSSES:
-        _, alpha = row_losses(q.log(), p, one, loss)
+        _, alpha = row_losses(q.log(), q, p, one, loss)
         tv = 0.5 * (p - q).abs().sum(-1)
         torch.testing.assert_close(alpha, 1 - tv)
         torch.testing.assert_close(alpha, torch.tensor([0.2 + 0.3 + 0.1, 0.25 + 0.1 + 0.1 + 0.1]))
     # a pruned draft vocab holding 60% / 100% of the target's probability: p renormalised over it is [0.5, 0.3,
     # 0.2, 0]; the target's own probabilities there are 0.6 times that; the 40% outside is never accepted
-    _, alpha = row_losses(q.log(), p, torch.tensor([0.6, 1.0]), KL)
+    _, alpha = row_losses(q.log(), q, p, torch.tensor([0.6, 1.0]), KL)
     torch.testing.assert_close(alpha, torch.tensor([0.2 + 0.18 + 0.1, 0.55]))
 
 
@@ -49,8 +49,8 @@ def test_lk_alpha_is_the_cross_entropy_at_a_one_hot_target():
     g = torch.Generator().manual_seed(0)
     logp = torch.log_softmax(torch.randn(5, 11, generator=g) * 2, -1)
     onehot = torch.nn.functional.one_hot(torch.tensor([3, 0, 10, 7, 7]), 11).float()
-    lk, _ = row_losses(logp, onehot, torch.ones(5), HeadLoss("lk_alpha"))
-    ce, _ = row_losses(logp, onehot, torch.ones(5), KL)
+    lk, _ = row_losses(logp, logp.exp(), onehot, torch.ones(5), HeadLoss("lk_alpha"))
+    ce, _ = row_losses(logp, logp.exp(), onehot, torch.ones(5), KL)
     torch.testing.assert_close(lk, ce)
 
 

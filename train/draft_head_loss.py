@@ -45,11 +45,12 @@ class HeadLossSums(NamedTuple):
     alpha_sums: torch.Tensor
 
 
-def row_losses(logp: torch.Tensor, pc: torch.Tensor, mass: torch.Tensor, loss: HeadLoss):
-    """logp [n,Vd] the drafter's log-probs, pc [n,Vd] the renormalised target rows, mass [n] -> (loss per row [n],
-    alpha per row [n]), differentiable through logp: the plain path, and the definition `chunk_terms` follows."""
+def row_losses(logp: torch.Tensor, q: torch.Tensor, pc: torch.Tensor, mass: torch.Tensor, loss: HeadLoss):
+    """logp [n,Vd] the drafter's log-probs and q = their exp, pc [n,Vd] the renormalised target rows, mass [n] ->
+    (loss per row [n], alpha per row [n]), differentiable through logp and q: the plain path, and the definition
+    `chunk_terms` follows."""
     ce = -(pc * logp).sum(-1)
-    alpha = torch.minimum(pc * mass[:, None], logp.exp()).sum(-1)
+    alpha = torch.minimum(pc * mass[:, None], q).sum(-1)
     if loss.kind == "kl":
         return ce, alpha
     if loss.kind == "lk_alpha":
@@ -62,7 +63,7 @@ def soft_ce_sums(z: torch.Tensor, p: torch.Tensor, top: torch.Tensor, mass: torc
     """z [n,Vd] logits, p [n,Vd] targets, top [n] target argmax, mass [n] -> (sum of the row losses, correct,
     sum of alpha)."""
     logp = torch.log_softmax(z.float(), -1)
-    rows, alpha = row_losses(logp, p.float(), mass, loss)
+    rows, alpha = row_losses(logp, logp.exp(), p.float(), mass, loss)
     total = -(p * logp).sum() if loss.kind == "kl" else rows.sum()  # kl: the sum as it always was, bit for bit
     return total, (logp.argmax(-1) == top).sum(), alpha.detach().sum()
 
@@ -77,7 +78,7 @@ def chunk_terms(z: torch.Tensor, p: torch.Tensor, top: torch.Tensor, rows: torch
     pc = p[rows].float()
     logp = torch.log_softmax(z.float(), -1)
     q = logp.exp()
-    loss_rows, alpha = row_losses(logp, pc, mass[rows], loss)
+    loss_rows, alpha = row_losses(logp, q, pc, mass[rows], loss)
     g_ce = q * pc.sum(-1, keepdim=True) - pc
     if loss.kind == "kl":
         g = g_ce
@@ -123,8 +124,8 @@ class ChunkPlan(NamedTuple):
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, teacher: TeacherRows, rows, step_of_row, scales, plan: ChunkPlan):
-        """x [N,H] normed hidden rows of all steps; weight [Vd,H]; teacher: rows R, of which row `rows[i]` is
-        x[i]'s target; step_of_row [N]; scales [K]: the weight of each step's loss sum in the total. -> (total,
+        """x [N,H] normed hidden rows of all steps; weight [Vd,H]; teacher: rows R (mass given), of which row
+        `rows[i]` is x[i]'s target; step_of_row [N]; scales [K]: the weight of each step's loss sum in the total. -> (total,
         loss sums [K], correct [K], alpha sums [K])."""
         k_steps, chunk = scales.numel(), plan.chunk
         w = weight.to(plan.dtype)
@@ -134,11 +135,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         loss_sums = torch.zeros(k_steps, dtype=torch.float32, device=x.device)
         alpha_sums = torch.zeros(k_steps, dtype=torch.float32, device=x.device)
         correct = torch.zeros(k_steps, dtype=torch.long, device=x.device)
-        mass = teacher.mass if teacher.mass is not None else torch.ones_like(teacher.top, dtype=torch.float32)
         for s in range(0, x.shape[0], chunk):
             xc, step = x[s:s + chunk].to(plan.dtype), step_of_row[s:s + chunk]
             loss_rows, right, alpha, g = plan.terms(xc @ w.T, teacher.p, teacher.top, rows[s:s + chunk],
-                                                    scales[step], mass, plan.loss)
+                                                    scales[step], teacher.mass, plan.loss)
             loss_sums.index_add_(0, step, loss_rows)
             alpha_sums.index_add_(0, step, alpha)
             correct.index_add_(0, step, right.long())
@@ -166,9 +166,10 @@ def draft_head_loss(xs: list[torch.Tensor], weight: torch.Tensor, teacher: Teach
     the matmuls run in its dtype, softmax in fp32, as the plain path's would."""
     device = weight.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else xs[0].dtype
-    mass = teacher.mass if teacher.mass is not None else torch.ones_like(teacher.top, dtype=torch.float32)
+    if teacher.mass is None:
+        teacher = teacher._replace(mass=torch.ones_like(teacher.top, dtype=torch.float32))
     if chunk == 0:
-        sums = [soft_ce_sums(x.to(dtype) @ weight.to(dtype).T, teacher.p[r], teacher.top[r], mass[r], loss)
+        sums = [soft_ce_sums(x.to(dtype) @ weight.to(dtype).T, teacher.p[r], teacher.top[r], teacher.mass[r], loss)
                 for x, r in zip(xs, rows, strict=True)]
         loss_sums, correct, alpha_sums = (torch.stack(list(v)) for v in zip(*sums, strict=True))
         return HeadLossSums((loss_sums * scales).sum(), loss_sums.detach(), correct, alpha_sums)

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from train.loss_kind import LOSSES, TINY, HeadLoss
+from core.run.config import HEAD_LOSSES
+from train.loss_kind import TINY, HeadLoss
 
 BLOCK = 2048  # elements of a row per iteration: 2 x 8 KB of bf16 in flight per program
 
@@ -122,6 +123,6 @@ def fused_chunk_terms(z: torch.Tensor, p: torch.Tensor, top: torch.Tensor, rows:
     if c:
         _row_terms[(c,)](z, p, g, rows.contiguous(), top.contiguous(), scale.float().contiguous(),
                          mass.float().contiguous(), out[0], right, out[1], vd, z.stride(0), p.stride(0), g.stride(0),
-                         float(loss.kl_scale), float(loss.kl_decay), TINY, LOSS=LOSSES.index(loss.kind), BLOCK=BLOCK,
+                         float(loss.kl_scale), float(loss.kl_decay), TINY, LOSS=HEAD_LOSSES.index(loss.kind), BLOCK=BLOCK,
                          num_warps=8)
     return out[0], right.bool(), out[1], g

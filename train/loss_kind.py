@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-LOSSES = ("kl", "lk_alpha", "lk_lambda")
 TINY = 1e-30  # alpha below this (fp32 underflow of every overlap term) counts as this: -log alpha stays finite
 
 

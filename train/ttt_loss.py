@@ -44,17 +44,12 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_argmax(final: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-    """[n,H] -> [n] target argmax over the full vocab: the costliest matmul of training (49152 x H per
-    row), so train computes it once per sample, not once per epoch, in lm_head's dtype (bf16 where native)."""
-    return (final.to(lm_head.dtype) @ lm_head.T).argmax(-1)
-
-
-@torch.no_grad()
 def teacher_argmax_lse(final: torch.Tensor, lm_head: torch.Tensor, rows_per_pass: int = 1024):
-    """[n,H] -> (argmax [n], logsumexp [n] fp32 of the target's full-vocab logits): `teacher_argmax` plus the
-    normaliser that tells how much of the target's probability the draft vocab holds (`teacher_targets`' mass);
-    fp32 `rows_per_pass` rows at a time (a bf16 logsumexp is off by up to 0.1 at Kimi's ~16)."""
+    """[n,H] -> (argmax [n], logsumexp [n] fp32 of the target's full-vocab logits): the costliest matmul of
+    training (49152 x H per row), so train computes it once per sample, not once per epoch, in lm_head's dtype
+    (bf16 where native). The logsumexp tells how much of the target's probability the draft vocab holds
+    (`teacher_targets`' mass); fp32 `rows_per_pass` rows at a time (a bf16 logsumexp is off by up to 0.1 at
+    Kimi's ~16)."""
     logits = final.to(lm_head.dtype) @ lm_head.T
     lse = torch.cat([torch.logsumexp(part.float(), -1) for part in logits.split(rows_per_pass)]) if len(logits) \
         else logits.new_zeros(0, dtype=torch.float32)

@@ -21,6 +21,7 @@ from core.run.errors import UserError
 # One precision vocabulary for every key: weights (target.dtype), autocast (*.mixed_precision), storage
 PRECISIONS = ("fp32", "bf16", "fp16")
 AUTOCAST = ("auto", "fp32", "bf16")
+HEAD_LOSSES = ("kl", "lk_alpha", "lk_lambda")  # train.loss (train/loss_kind.py)
 
 
 def _f(default, help: str, ge=None, gt=None, le=None, choices: tuple | None = None):
@@ -187,7 +188,7 @@ class TrainConfig:
                          "arXiv 2602.23881). kl = soft cross-entropy; lk_alpha = -log alpha, alpha = sum of "
                          "min(p, q) over the draft vocab, the chance a greedy-verified draft is accepted; lk_lambda "
                          "= lam * kl + (1 - lam) * (1 - alpha), lam = lk_kl_scale * exp(-lk_kl_decay * alpha)",
-                   choices=("kl", "lk_alpha", "lk_lambda"))
+                   choices=HEAD_LOSSES)
     lk_kl_scale: float = _f(1.0, "lk_lambda: the KL weight at alpha = 0", ge=0, le=1)
     lk_kl_decay: float = _f(3.0, "lk_lambda: how fast the KL weight falls as alpha rises", ge=0)
     draft_vocab_size: int = _f(8192, "rows of the draft lm_head (top tokens by frequency)", ge=1)
