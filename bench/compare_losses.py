@@ -5,11 +5,19 @@ a user measures it -> a table (markdown + JSON lines) of held-out τ in our engi
         [--losses kl,lk_lambda,lk_alpha] [--seeds 0,1] [--mt-bench ../shared/data/mt_bench/question.jsonl] \\
         [key=value ...]   # overrides for train and eval, e.g. the demo tier's train.epochs=6 train.ttt_steps=2
 
---hf-only: held-out τ in our engine only, for more seeds in less time. --source holds conversations/ and hidden/ (data_gen and extract ran there); each run dir under --out links them
-and trains its own drafter (`python -m train`), then `python -m eval --engine llamacpp --concurrency 1` on the
+--source holds conversations/ (and hidden/ where extract ran: offline training); each run dir under --out links
+them and trains its own drafter (`python -m train`), then `python -m eval --engine llamacpp --concurrency 1` on the
 held-out prompts (our engine and llama-server b11434 on the same drafter) and, with --mt-bench, `python -m eval`
-on MT-Bench's first eval.max_prompts questions (our engine). A run already evaluated is read, not redone, so a
-cut-off comparison resumes. The last line per loss: mean and spread (max - min) over the seeds.
+on MT-Bench's first eval.max_prompts questions (our engine). A drafter already trained is not retrained and a run
+already evaluated is read, not redone, so a cut-off comparison resumes. The last line per loss: mean and spread
+(max - min) over the seeds. --hf-only: held-out τ in our engine only, for more seeds in less time.
+
+One GPU at a larger size: train there, evaluate on a CPU machine with llama.cpp (the same --out):
+
+    python bench/compare_losses.py --config configs/smollm2-135m-instruct-gpu.yaml --source runs/gen --out /tmp/L \
+        --seeds 0 --train-only --jobs 3 train.epochs=2        # on the GPU (online training: conversations only)
+    python bench/compare_losses.py --config configs/smollm2-135m-instruct-gpu.yaml --source runs/gen --out /tmp/L \
+        --seeds 0 --mt-bench question.jsonl train.epochs=2 target.dtype=fp32 eval.target_outtype=f32
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,25 +46,31 @@ def target_gguf(out: Path) -> list[str]:
     return [f"eval.target_gguf={found[0]}"] if found else []
 
 
-def one_run(source: Path, run: Path, loss: str, seed: int, mt_bench: str | None, over: list[str],
-            hf_only: bool = False) -> dict:
-    done = run / "result.json"
-    if done.exists():
-        return json.loads(done.read_text())
+def train_run(source: Path, run: Path, flags: list[str]) -> float | None:
+    """Train the run's drafter unless it is there already (a --train-only pass, or a cut-off comparison)."""
+    if (run / "drafter/model.safetensors").exists() and (run / "train/metrics.jsonl").exists():
+        return None
     run.mkdir(parents=True, exist_ok=True)
-    for name in ("conversations", "hidden"):
-        if not (run / name).exists():
+    for name in ("conversations", "hidden"):  # hidden/ only where the source extracted (offline training)
+        if (source / name).exists() and not (run / name).exists():
             (run / name).symlink_to((source / name).resolve())
-    flags = ["--config", "configs/smollm2-135m-instruct.yaml", "--run-dir", str(run), f"seed={seed}",
-             f"train.loss={loss}", "train.wandb_mode=disabled", *over]
     start = time.perf_counter()
     stage("train", *flags)
-    train_s = time.perf_counter() - start
+    return round(time.perf_counter() - start, 1)
+
+
+def run_flags(config: str, run: Path, loss: str, seed: int, over: list[str]) -> list[str]:
+    return ["--config", config, "--run-dir", str(run), f"seed={seed}", f"train.loss={loss}",
+            "train.wandb_mode=disabled", *over]
+
+
+def eval_run(run: Path, loss: str, seed: int, flags: list[str], train_s: float | None, mt_bench: str | None,
+             hf_only: bool) -> dict:
     stage("eval", *flags, *([] if hf_only else [*target_gguf(run.parent), "--engine", "llamacpp", "--concurrency", "1"]))
     report = json.loads((run / "eval/report.json").read_text())
     metrics = [json.loads(x) for x in (run / "train/metrics.jsonl").read_text().splitlines()]
     ours = report.get("hf_engine", report)  # --engine llamacpp reports ours beside llama.cpp's levels
-    rec = {"loss": loss, "seed": seed, "train_s": round(train_s, 1), "steps": metrics[-1]["step"],
+    rec = {"loss": loss, "seed": seed, "train_s": train_s, "steps": metrics[-1]["step"],
            "tau_ours": ours["acceptance_length"], "outputs_match": ours["outputs_match_baseline"],
            "train_tau_alpha": metrics[-1].get("tau_alpha"), "train_acc_0": metrics[-1]["acc_0"]}
     if not hf_only:
@@ -65,7 +80,7 @@ def one_run(source: Path, run: Path, loss: str, seed: int, mt_bench: str | None,
         stage("eval", *flags, "--prompts", mt_bench, "--out", str(run / "eval-mt-bench"))
         mt = json.loads((run / "eval-mt-bench/report.json").read_text())
         rec.update(tau_mt_bench=mt["acceptance_length"], mt_bench_outputs_match=mt["outputs_match_baseline"])
-    done.write_text(json.dumps(rec))
+    (run / "result.json").write_text(json.dumps(rec))
     return rec
 
 
@@ -86,19 +101,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--config", default="configs/smollm2-135m-instruct.yaml")
     ap.add_argument("--losses", default="kl,lk_lambda,lk_alpha")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--mt-bench", default=None)
     ap.add_argument("--hf-only", action="store_true", help="held-out τ in our engine only (no llama.cpp, no MT-Bench)")
+    ap.add_argument("--train-only", action="store_true", help="train every run, evaluate none (a later call does)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs trained at once (one GPU holds several small ones)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    out, recs = Path(args.out), []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for loss in args.losses.split(","):
-            rec = one_run(Path(args.source), out / f"{loss}-seed{seed}", loss, seed, args.mt_bench, args.overrides,
-                          args.hf_only)
-            print(json.dumps(rec), flush=True)
-            recs.append(rec)
+    out, source = Path(args.out), Path(args.source)
+    runs = [(loss, int(seed), out / f"{loss}-seed{seed}") for seed in args.seeds.split(",")
+            for loss in args.losses.split(",")]
+    todo = [r for r in runs if not (r[2] / "result.json").exists()]
+    flags = {run: run_flags(args.config, run, loss, seed, args.overrides) for loss, seed, run in runs}
+    with ThreadPoolExecutor(args.jobs) as pool:
+        train_s = dict(zip([r[2] for r in todo], pool.map(lambda r: train_run(source, r[2], flags[r[2]]), todo), strict=True))
+    if args.train_only:
+        print(json.dumps({str(run): s for run, s in train_s.items()}))
+        return
+    recs = []
+    for loss, seed, run in runs:
+        done = run / "result.json"
+        rec = (json.loads(done.read_text()) if done.exists()
+               else eval_run(run, loss, seed, flags[run], train_s.get(run), args.mt_bench, args.hf_only))
+        print(json.dumps(rec), flush=True)
+        recs.append(rec)
     text = table(recs)
     (out / "table.md").write_text(text + "\n")
     print(text)

@@ -81,8 +81,10 @@ class TrainSpeed:
 
 # (hidden, layers, train.draft_attention) -> the drafter train builds for that target, measured
 TRAIN_SPEED = {
-    (7168, 61, "gqa"): TrainSpeed({2048: 11_039, 4096: 12_717}, {2048: 31.5, 4096: 37.2},
+    (7168, 61, "gqa"): TrainSpeed({2048: 11_039, 4096: 12_717, 16384: 12_924},
+                                  {2048: 31.5, 4096: 37.2, 16384: 69.7},
                                   f"one H100 80GB, whole steps with AdamW (bench/bench_train_step.py); {_PERF}"),
-    (7168, 61, "mla"): TrainSpeed({2048: 13_051, 4096: 13_185}, {2048: 23.2, 4096: 30.4},
+    (7168, 61, "mla"): TrainSpeed({2048: 13_051, 4096: 13_185, 16384: 9_326},
+                                  {2048: 23.2, 4096: 30.4, 16384: 72.4},
                                   f"one H100 80GB, whole steps with AdamW (bench/bench_train_step.py); {_PERF}"),
 }
