@@ -15,7 +15,7 @@ already evaluated is read, not redone, so a cut-off comparison resumes. The last
 One GPU at a larger size: train there, evaluate on a CPU machine with llama.cpp (the same --out):
 
     python bench/compare_losses.py --config configs/smollm2-135m-instruct-gpu.yaml --source runs/gen --out /tmp/L \
-        --seeds 0 --train-only --jobs 3 train.epochs=2        # on the GPU (online training: conversations only)
+        --seeds 0 --train-only train.epochs=2        # on the GPU (online training: conversations only)
     python bench/compare_losses.py --config configs/smollm2-135m-instruct-gpu.yaml --source runs/gen --out /tmp/L \
         --seeds 0 --mt-bench question.jsonl train.epochs=2 target.dtype=fp32 eval.target_outtype=f32
 """
@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--mt-bench", default=None)
     ap.add_argument("--hf-only", action="store_true", help="held-out τ in our engine only (no llama.cpp, no MT-Bench)")
     ap.add_argument("--train-only", action="store_true", help="train every run, evaluate none (a later call does)")
-    ap.add_argument("--jobs", type=int, default=1, help="runs trained at once (one GPU holds several small ones)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs trained at once (offline runs on a CPU or GPU; three online SmolLM2 runs ran one 80 GB GPU out of memory)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     out, source = Path(args.out), Path(args.source)
