@@ -32,6 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from core.run.config import load_config, to_dict  # noqa: E402
 
 
 def stage(*args: str) -> None:
@@ -46,22 +49,39 @@ def target_gguf(out: Path) -> list[str]:
     return [f"eval.target_gguf={found[0]}"] if found else []
 
 
-def train_run(source: Path, run: Path, flags: list[str]) -> float | None:
-    """Train the run's drafter unless it is there already (a --train-only pass, or a cut-off comparison)."""
+def stale_settings(run: Path, config: str, over: list[str]) -> list[str]:
+    """The seed and train.* settings where the drafter already in `run` differs from what these flags train
+    (its manifest's, as train recorded them): a drafter trained another way must not pass for this one."""
+    cfg = load_config(ROOT / config, over)
+    want = {"seed": cfg.seed, **{f"train.{k}": v for k, v in to_dict(cfg.train).items()}}
+    had = json.loads((run / "drafter/manifest.json").read_text())["settings"]
+    return [f"{k}: {had[k]!r} there, {want[k]!r} here" for k in had
+            if k in want and json.loads(json.dumps(want[k])) != had[k]]
+
+
+def train_run(source: Path, run: Path, config: str, overrides: list[str]) -> float | None:
+    """Train the run's drafter unless it is there already, trained with these settings (a --train-only pass
+    elsewhere, or a cut-off comparison); one trained otherwise stops the comparison."""
     if (run / "drafter/model.safetensors").exists() and (run / "train/metrics.jsonl").exists():
+        if stale := stale_settings(run, config, overrides):
+            raise SystemExit(f"{run}/drafter was trained otherwise ({'; '.join(stale)}): remove {run} or use "
+                             "another --out")
         return None
     run.mkdir(parents=True, exist_ok=True)
     for name in ("conversations", "hidden"):  # hidden/ only where the source extracted (offline training)
         if (source / name).exists() and not (run / name).exists():
             (run / name).symlink_to((source / name).resolve())
     start = time.perf_counter()
-    stage("train", *flags)
+    stage("train", *stage_flags(config, run, overrides))
     return round(time.perf_counter() - start, 1)
 
 
-def run_flags(config: str, run: Path, loss: str, seed: int, over: list[str]) -> list[str]:
-    return ["--config", config, "--run-dir", str(run), f"seed={seed}", f"train.loss={loss}",
-            "train.wandb_mode=disabled", *over]
+def run_overrides(loss: str, seed: int, over: list[str]) -> list[str]:
+    return [f"seed={seed}", f"train.loss={loss}", "train.wandb_mode=disabled", *over]
+
+
+def stage_flags(config: str, run: Path, overrides: list[str]) -> list[str]:
+    return ["--config", config, "--run-dir", str(run), *overrides]
 
 
 def eval_run(run: Path, loss: str, seed: int, flags: list[str], train_s: float | None, mt_bench: str | None,
@@ -114,9 +134,10 @@ def main() -> None:
     runs = [(loss, int(seed), out / f"{loss}-seed{seed}") for seed in args.seeds.split(",")
             for loss in args.losses.split(",")]
     todo = [r for r in runs if not (r[2] / "result.json").exists()]
-    flags = {run: run_flags(args.config, run, loss, seed, args.overrides) for loss, seed, run in runs}
+    overrides = {run: run_overrides(loss, seed, args.overrides) for loss, seed, run in runs}
     with ThreadPoolExecutor(args.jobs) as pool:
-        train_s = dict(zip([r[2] for r in todo], pool.map(lambda r: train_run(source, r[2], flags[r[2]]), todo), strict=True))
+        trained = pool.map(lambda r: train_run(source, r[2], args.config, overrides[r[2]]), todo)
+        train_s = dict(zip([r[2] for r in todo], trained, strict=True))
     if args.train_only:
         print(json.dumps({str(run): s for run, s in train_s.items()}))
         return
@@ -124,7 +145,8 @@ def main() -> None:
     for loss, seed, run in runs:
         done = run / "result.json"
         rec = (json.loads(done.read_text()) if done.exists()
-               else eval_run(run, loss, seed, flags[run], train_s.get(run), args.mt_bench, args.hf_only))
+               else eval_run(run, loss, seed, stage_flags(args.config, run, overrides[run]), train_s.get(run),
+                            args.mt_bench, args.hf_only))
         print(json.dumps(rec), flush=True)
         recs.append(rec)
     text = table(recs)
