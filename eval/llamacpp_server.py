@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -24,42 +23,11 @@ import httpx
 
 from core.drafters.dflash import is_dflash_dir
 from core.run.cli import env_threads
-from eval.llamacpp import LLAMACPP_BUILD, convert_drafter, convert_to_gguf, gguf_target_layers, llamacpp_tree
+from eval.llamacpp import convert_drafter, convert_to_gguf, gguf_target_layers
+from eval.llamacpp_build import llamacpp_tree, server_binary
 from eval.spec_counters import PROMETHEUS_PREFIX, prometheus_spec_counters
 
 log = logging.getLogger("eval")
-
-# Portable AVX2 build: a -march=native build has died with SIGILL on these VMs.
-CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_CURL=OFF",
-               "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
-               "-DGGML_F16C=ON", "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON"]  # the build dir is renamed into the cache
-
-
-def build_server(tree: Path, cache: Path) -> Path:
-    """<cache>/llama-server-b11434/bin/llama-server, built once (368 s on 2 cores) into a temp dir and
-    renamed into place."""
-    dest = Path(cache) / f"llama-server-b{LLAMACPP_BUILD}"
-    binary = dest / "bin" / "llama-server"
-    if binary.is_file():
-        return binary
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
-        for cmd in (["cmake", "-S", str(tree), "-B", str(tmp), *CMAKE_FLAGS],
-                    ["cmake", "--build", str(tmp), "--target", "llama-server", "-j", str(os.cpu_count() or 2)]):
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-                raise RuntimeError(f"`{' '.join(cmd)}` failed (rc={proc.returncode}):\n{tail}")
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            if not binary.is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return binary
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -153,21 +121,6 @@ def spec_counters(url: str) -> dict:
     r = httpx.get(f"{url}/metrics", timeout=30)
     r.raise_for_status()
     return prometheus_spec_counters(r.text, PROMETHEUS_PREFIX["llamacpp"])
-
-
-def cached_server_binary(cache: Path) -> Path | None:
-    """The llama-server `make llamacpp` built, or None when it has not been built yet."""
-    dest = Path(cache) / f"llama-server-b{LLAMACPP_BUILD}" / "bin" / "llama-server"
-    return dest if dest.is_file() else None
-
-
-def server_binary(cache: Path) -> Path:
-    """The cached llama-server, building it (and fetching its source) the first time."""
-    dest = cached_server_binary(cache)
-    if dest is not None:
-        return dest
-    log.info("building llama-server b%d once into %s (~4-6 min on 2 cores; cached after)", LLAMACPP_BUILD, cache)
-    return build_server(llamacpp_tree(cache), cache)
 
 
 def target_gguf_choice(target_gguf: str, target_name: str, target_outtype: str, outtype: str) -> tuple[Path | None, str]:

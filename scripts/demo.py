@@ -24,13 +24,8 @@ from core.run.cli import run_main, set_threads, setup_logging, stage_parser  # n
 from core.run.config import load_config  # noqa: E402
 from core.run.errors import UserError  # noqa: E402
 from core.target.model import cache_root, resolve_precision  # noqa: E402
-from data_gen.generate import main as data_gen_main  # noqa: E402
-from eval.llamacpp_server import cached_server_binary  # noqa: E402
-from eval.run import main as eval_main  # noqa: E402
-from extract.run import main as extract_main  # noqa: E402
-from train.loop import main as train_main  # noqa: E402
+from eval.llamacpp_build import cached_server_binary  # noqa: E402
 
-STAGES = {"data_gen": data_gen_main, "extract": extract_main, "train": train_main, "eval": eval_main}
 FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores from which the config's sizes fit the demo's time
 MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5"]  # native bf16, slower fp32: data_gen decodes in bf16
 # Without native bf16 the fp32 rate decides, K=2 TTT (its steps cost ~3/4 of K=3's) and 6 epochs in both tiers:
@@ -96,6 +91,16 @@ def demo_overrides(args) -> list[str]:
     return [*sizes, f"train.tau_every={every}", "train.tau_new_tokens=32", *args.overrides]
 
 
+def stage_mains() -> dict:
+    """Each stage's main, imported when the demo runs (`--show-sizes` needs none of them: ~2 s less)."""
+    from data_gen.generate import main as data_gen_main
+    from eval.run import main as eval_main
+    from extract.run import main as extract_main
+    from train.loop import main as train_main
+
+    return {"data_gen": data_gen_main, "extract": extract_main, "train": train_main, "eval": eval_main}
+
+
 def main() -> int:
     parser = stage_parser("demo", __doc__)
     parser.add_argument("--show-sizes", action="store_true", help="print the overrides the demo would run with, as "
@@ -118,7 +123,7 @@ def main() -> int:
     if cached_server_binary(cache_root(cfg)) is not None:  # eval also serves the drafter in llama.cpp
         args.overrides = ["eval.engine=llamacpp", *args.overrides]
     times = {}
-    for stage, stage_main in STAGES.items():
+    for stage, stage_main in stage_mains().items():
         print(f"\n=== {stage} ===", flush=True)
         cfg = load_config(args.config, args.overrides)  # a fresh config per stage, as the CLI builds it
         if args.run_dir:

@@ -24,8 +24,17 @@ SLOW_FIRST = ("test_llamacpp_export.py", "test_llamacpp_serving.py", "test_deeps
               "test_gguf_checkpoint.py")
 
 
+# The files whose tests start llama-server. Where it is not built yet, `make test` builds it in the background
+# (eval/llamacpp_build.py) and these run last, while the workers run everything else; their first call waits.
+SERVE_LLAMACPP = ("test_llamacpp_serving.py", "test_tokenizer_parity.py", "test_data_gen_llamacpp.py")
+
+
 def pytest_collection_modifyitems(items):
+    from eval.llamacpp_build import cached_server_binary, default_cache
+
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    if cached_server_binary(default_cache()) is None:
+        rank.update({name: len(SLOW_FIRST) + 1 for name in SERVE_LLAMACPP})
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept within
 
 

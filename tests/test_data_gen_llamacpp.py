@@ -1,5 +1,5 @@
 """data_gen's `openai` backend against a real OpenAI-compatible server: llama.cpp serving the embedded
-SmolLM2 GGUF on loopback: the real llama-server b11434 (built by `make llamacpp`, which `make test` runs)."""
+SmolLM2 GGUF on loopback: the real llama-server b11434 (eval/llamacpp_build.py, which `make test` starts)."""
 
 import json
 

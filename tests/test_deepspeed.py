@@ -2,12 +2,13 @@
 launch --config_file` with the shipped scripts/accelerate/deepspeed_zero{2,3}.yaml and their JSON (only the
 process count, use_cpu and the JSON's path rewritten), on the tiny random target's shards.
 
-- one process, fp32: ZeRO-2 and ZeRO-3 train to the plain run's weights (the same step math: DeepSpeed clips at
-  train.grad_clip, steps the same AdamW, and ZeRO-3's export gathers the full weights);
+- one process, fp32: ZeRO-3 trains to the plain run's weights at a low train.grad_clip (the same step math:
+  DeepSpeed clips at the run's clip and steps the same AdamW);
 - two processes: a ZeRO-2 run stopped at a checkpoint (train.stop_after) and rerun ends at the weights of the
-  uninterrupted run, and a ZeRO-3 run killed (-9) after a checkpoint then rerun does too;
+  uninterrupted run, and a ZeRO-3 run killed (-9) after a checkpoint then rerun does too (its export gathers the
+  full weights); one process can't take over its shards (one error line);
 - ZeRO-3 with the compiled K-step unroll and with the target online, in one launch;
-- a DeepSpeed JSON whose value conflicts with the run config's is one error line naming both.
+- a DeepSpeed JSON whose value conflicts with the run config's is one error naming both (configure_deepspeed).
 """
 
 import json
@@ -48,14 +49,11 @@ def new_run(overfit_tiny, tmp_path):
     return make
 
 
-def launch_config(tmp_path: Path, stage: int, processes: int, json_edit: dict | None = None) -> Path:
-    """The shipped accelerate config of ZeRO `stage` for this machine: `processes` CPU processes; json_edit: keys
-    of the shipped DeepSpeed JSON replaced."""
+def launch_config(tmp_path: Path, stage: int, processes: int) -> Path:
+    """The shipped accelerate config of ZeRO `stage` for this machine: `processes` CPU processes."""
     shipped = yaml.safe_load((ROOT / f"scripts/accelerate/deepspeed_zero{stage}.yaml").read_text())
     ds_json = json.loads((ROOT / shipped["deepspeed_config"]["deepspeed_config_file"]).read_text())
     path = tmp_path / f"zero{stage}-{processes}.json"
-    for key, value in (json_edit or {}).items():  # sections merged one level deep
-        ds_json[key] = {**ds_json[key], **value} if isinstance(value, dict) and key in ds_json else value
     if stage == 3:  # partition every weight: by default ZeRO-3 keeps weights under 1e5 values (all of the tiny
         ds_json["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # drafter's) whole on each rank
     path.write_text(json.dumps(ds_json))
@@ -104,31 +102,28 @@ def assert_same_weights(got: dict, want: dict, atol: float) -> None:
             assert not off.any(), name
 
 
-def test_zero2_and_zero3_train_the_plain_runs_weights(new_run, tmp_path):
-    """One process in fp32: DeepSpeed's step is the plain step (clip at train.grad_clip, AdamW, the lr schedule),
-    so both stages export the plain run's drafter (one rank holds every weight whole: the gathers matter on two).
-    ZeRO-3 runs at a clip far lower than the default, where it must equal the plain run at that clip and part
-    from the default one: the clip reaches DeepSpeed (one launch checks both)."""
-    clips = {2: [], 3: ["train.grad_clip=0.01"]}
-    plain = {}
-    for stage, clip in clips.items():
-        plain[stage] = new_run(f"plain{stage}")
-        run_stage("train", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(plain[stage]), *TRAIN, *clip)
-    for stage, clip in clips.items():
-        run = new_run(f"zero{stage}")
-        log = launch(launch_config(tmp_path, stage, 1), run, *clip).stderr
-        assert "(DistributedType.DEEPSPEED)" in log
-        runtime = json.loads((run / "train/manifest.json").read_text())["runtime"]
-        assert runtime["distributed"].endswith("DEEPSPEED")
-        assert_same_weights(weights(run), weights(plain[stage]), atol=1e-6)
-    low, default = weights(plain[3]), weights(plain[2])
+def test_zero3_takes_the_plain_step_at_the_runs_clip(new_run, tmp_path, two_process_weights):
+    """One process in fp32 at a clip far lower than the default: DeepSpeed's step is the plain step (clip at
+    train.grad_clip, AdamW, the lr schedule), so ZeRO-3 exports the plain run's drafter at that clip, which parts
+    from the default clip's: the launch trains under DeepSpeed and the clip reaches it."""
+    plain = new_run("plain")
+    run_stage("train", "--config", "configs/tiny-random-llama.yaml", "--run-dir", str(plain), *TRAIN,
+              "train.grad_clip=0.01")
+    run = new_run("zero3")
+    log = launch(launch_config(tmp_path, 3, 1), run, "train.grad_clip=0.01").stderr
+    assert "(DistributedType.DEEPSPEED)" in log
+    assert json.loads((run / "train/manifest.json").read_text())["runtime"]["distributed"].endswith("DEEPSPEED")
+    assert_same_weights(weights(run), weights(plain), atol=1e-6)
+    low, default = weights(plain), two_process_weights  # the default clip's: far more than a bf16 step away
     assert max((low[k].float() - default[k].float()).abs().max() for k in default) > 1e-3
 
 
 @pytest.fixture(scope="module")
 def two_process_weights(overfit_tiny, tmp_path_factory):
     """The drafter of an uninterrupted two-process ZeRO-2 run: where a stopped-and-rerun run of either stage must
-    end (ZeRO-3 takes the same step: one process of each equals the plain run, test above)."""
+    end (ZeRO-3 takes the plain step: test above). Not the one-process plain run: two processes reduce the same
+    gradients in another order, and the bf16 export of fp32 masters 1e-7 apart differs by one step in ~10% of
+    the elements."""
     import shutil
 
     tmp = tmp_path_factory.mktemp("ds-ref")
@@ -227,13 +222,6 @@ def test_a_half_precision_mode_the_run_does_not_train_in_is_refused(written, err
         precision_keys({}, written, "zero.json", TrainConfig(mixed_precision="bf16"), "bf16")
     precision_keys(ds := {}, {"bf16": {"enabled": "auto"}}, "zero.json", TrainConfig(), "bf16")
     assert ds["bf16"]["enabled"] is False and ds["torch_autocast"]["enabled"] is True
-
-
-def test_a_conflicting_deepspeed_json_stops_the_launch_in_one_line(new_run, tmp_path):
-    run = new_run("run")
-    proc = launch(launch_config(tmp_path, 2, 1, {"gradient_clipping": 1.0}), run, check=False)
-    assert proc.returncode != 0 and not (run / "drafter").exists()
-    assert "zero2-1.json: gradient_clipping = 1.0, but the run's train.grad_clip = 0.5" in error_line(proc)
 
 
 def error_line(proc) -> str:

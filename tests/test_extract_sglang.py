@@ -115,8 +115,7 @@ def test_dump_dir_over_budget_pauses_sending(served, conversations):
 
 @pytest.mark.parametrize("config, source", [("configs/smollm2-135m-instruct.yaml", "llama.py")])
 def test_launcher_ids_make_sglang_capture_the_configured_layers(config, source):
-    out = subprocess.run([sys.executable, "-m", "extract.sglang_launch", "--config", config], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
+    out = run_stage("extract.sglang_launch", "--config", config).stdout
     env = dict(line.split("=", 1) for line in out.splitlines())
     ids = [int(i) for i in env["LAYER_IDS"].strip("'").split()]
     cfg = load_config(ROOT / config)

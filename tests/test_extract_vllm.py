@@ -46,8 +46,7 @@ def conversations(tmp_path_factory):
 
 
 def launch(config: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "extract.vllm_launch", "--config", config, *args], cwd=ROOT,
-                          capture_output=True, text=True)
+    return run_stage("extract.vllm_launch", "--config", config, *args, check=False)
 
 
 @pytest.fixture
@@ -215,8 +214,7 @@ def test_launcher_and_dry_run_give_kimis_layer_ids_and_refuse_what_breaks_captur
     for flags in (["--pipeline_parallel_size=2"], ["--speculative-config", "{}"], ["--kv-transfer-config", "{}"]):
         assert refused_flags(flags, "kimi_k2"), flags
     assert refused_flags(["-pp", "2"], "llama") == []  # Llama returns aux states across stages
-    dry = subprocess.run([sys.executable, "-m", "extract", "--config", "configs/kimi-k2.5.yaml", "--engine", "vllm",
-                          "--dry-run"], cwd=ROOT, capture_output=True, text=True)
+    dry = run_stage("extract", "--config", "configs/kimi-k2.5.yaml", "--engine", "vllm", "--dry-run", check=False)
     assert dry.returncode == 0 and "vLLM layer ids [3, 31, 59, 61]" in dry.stdout
     assert '"eagle_aux_hidden_state_layer_ids": [3, 31, 59, 61]' in dry.stdout
     assert "57,344 B/token in bf16" in dry.stdout

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from core.drafters.drafter import DrafterConfig, Eagle3Drafter
 from core.run.config import load_config
 from core.target.model import cache_root, resolve_target
-from eval.llamacpp import convert_drafter, gguf_norm_before_fc, gguf_target_layers, llamacpp_tree
+from eval.llamacpp import convert_drafter, gguf_norm_before_fc, gguf_target_layers
+from eval.llamacpp_build import llamacpp_tree
 from tests.conftest import ROOT
 from tests.sglang_source import sglang_capture_layers
 from train.draft_vocab import build_draft_vocab, d2t_offsets

@@ -10,7 +10,8 @@ import pytest
 
 from core.target.model import cache_root, embedded_gguf_path, load_tokenizer
 from core.target.prompts import load_sharegpt
-from eval.llamacpp_server import LlamaServer, server_binary
+from eval.llamacpp_build import server_binary
+from eval.llamacpp_server import LlamaServer
 from tests.test_gguf_checkpoint import CHAT, TEXTS
 
 NUMBERS = ["1", "10", "0.5", "3.14159", "-42", "1e-10", "1,234,567.89", "2024-06-01T12:30:00Z", "+1 (555) 010-9999",
