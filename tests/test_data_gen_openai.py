@@ -2,7 +2,6 @@
 double): faults, exactly-once output, kill -9 resume, multi-turn on-policy history, reasoning, bad input."""
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -101,13 +100,13 @@ def test_kill9_at_random_moments_then_rerun_loses_and_duplicates_nothing(tmp_pat
     assert not list((tmp_path / "run/conversations").glob("*.tmp*"))
 
 
-def test_api_key_is_sent_never_logged_and_401_stops_the_run(tmp_path):
+def test_api_key_is_sent_never_logged_and_401_stops_the_run(tmp_path, monkeypatch):
     prompts = write_prompts(tmp_path / "p.jsonl", n=4)
+    env_key = "sk-test-SECRET-0123456789"
+    monkeypatch.setenv("EAGLE3_TEST_KEY", env_key)
     with FakeOpenAIServer(status_override=401) as server:
-        env_key = "sk-test-SECRET-0123456789"
-        proc = subprocess.run([sys.executable, "-m", "data_gen", *flags(tmp_path, server.url, prompts),
-                               "data_gen.api_key_env=EAGLE3_TEST_KEY"], cwd=ROOT, capture_output=True, text=True,
-                              env={**os.environ, "EAGLE3_TEST_KEY": env_key}, timeout=300)
+        proc = run_stage("data_gen", *flags(tmp_path, server.url, prompts), "data_gen.api_key_env=EAGLE3_TEST_KEY",
+                         check=False)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("data_gen: error:") and "401" in last and "data_gen.base_url" in last
