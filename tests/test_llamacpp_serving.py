@@ -79,8 +79,8 @@ def served_dflash(served, overfit_tiny, tmp_path_factory):
     for stage_dir in ("conversations", "hidden"):
         shutil.copytree(run_dir / stage_dir, dflash_run / stage_dir)
     dflash_flags = [str(dflash_run) if f == str(run_dir) else f for f in flags] + [
-        "train.drafter=dflash", "train.dflash.block_size=4", "train.dflash.anchors=16", "train.tau_every=0", "train.epochs=60",
-        "train.lr=1.5e-2"]
+        "train.drafter=dflash", "train.dflash.block_size=4", "train.dflash.anchors=16", "train.tau_every=0", "train.epochs=80",
+        "train.lr=1e-2"]
     run_stage("train", *dflash_flags)
     target = served[1] / "eval/llamacpp/target-f32.gguf"
     run_stage("eval", *dflash_flags, f"eval.target_gguf={target}", "--engine", "llamacpp", "--prompts", str(prompts),
