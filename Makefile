@@ -52,8 +52,8 @@ demo: setup
 	$(PY) scripts/demo.py $(RUN_FLAGS)
 
 # Two workers, one torch thread each (whole test files per worker, so module fixtures are built once), the
-# slowest files first (tests/conftest.SLOW_FIRST; xdist would order them by test count); many tests wait on a
-# subprocess's startup, not on the CPU. On a machine without llama-server it builds in the background from the
+# slowest files first (tests/conftest.SLOW_FIRST; xdist would order them by test count); three workers were
+# slower (contention: 24 CPU-min instead of 18). On a machine without llama-server it builds in the background from the
 # start, beside the venv install (pip keeps one core busy), and the files that serve it run last.
 # Last line: the CPU time (user, sys) of pytest and everything it started, the suite's cost to keep falling.
 test:
