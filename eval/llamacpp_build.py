@@ -90,9 +90,13 @@ def llamacpp_tree(cache: Path) -> Path:
     return dest
 
 
+def _server_dir(cache: Path) -> Path:
+    return Path(cache) / f"llama-server-b{LLAMACPP_BUILD}"
+
+
 def cached_server_binary(cache: Path) -> Path | None:
     """The llama-server built into the cache, or None when it has not been built yet."""
-    binary = Path(cache) / f"llama-server-b{LLAMACPP_BUILD}" / "bin" / "llama-server"
+    binary = _server_dir(cache) / "bin" / "llama-server"
     return binary if binary.is_file() else None
 
 
@@ -102,12 +106,12 @@ def server_binary(cache: Path) -> Path:
     if (binary := cached_server_binary(cache)) is not None:
         return binary
     Path(cache).mkdir(parents=True, exist_ok=True)
-    with open(Path(cache) / f"llama-server-b{LLAMACPP_BUILD}.lock", "w") as lock:
+    with open(f"{_server_dir(cache)}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (binary := cached_server_binary(cache)) is not None:
             return binary
         log.info("building llama-server b%d once into %s (~4 min on 2 cores; cached after)", LLAMACPP_BUILD, cache)
-        return _build(llamacpp_tree(cache), Path(cache) / f"llama-server-b{LLAMACPP_BUILD}")
+        return _build(llamacpp_tree(cache), _server_dir(cache))
 
 
 def _build(tree: Path, dest: Path) -> Path:

@@ -18,9 +18,7 @@ import types
 import zipfile
 from pathlib import Path
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EAGLE3_CACHE") or Path.home() / ".cache" / "eagle3")
+from eval.llamacpp_build import default_cache
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,7 +27,7 @@ def cached_package(name: str, version: str, probe: str, py_only: bool = False) -
     inside it) present. py_only keeps just the Python files and the dist-info: vLLM's wheel is 336 MB of
     compiled kernels around 50 MB of Python. Unpacked into a temp dir and renamed into place, so an
     interrupted or concurrent fetch never leaves a half-filled cache."""
-    target = cache_dir() / f"{name}-{version}"
+    target = default_cache() / f"{name}-{version}"
     marker = f"{name}-{version}.dist-info"
     if (target / marker).is_dir() and (target / probe).is_file():
         return target
