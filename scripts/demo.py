@@ -17,14 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.run.cli import run_main, set_threads, setup_logging, stage_parser  # noqa: E402
 from core.run.config import load_config  # noqa: E402
 from core.run.errors import UserError  # noqa: E402
-from core.target.model import cache_root, resolve_precision  # noqa: E402
 from eval.llamacpp_build import cached_server_binary  # noqa: E402
+
+# torch (and core.target.model, which imports it) is imported where the machine is measured or the stages run:
+# `--show-sizes --assume` needs neither (0.2 CPU-s a call instead of 3.1).
 
 FULL_SPEED_GFLOPS = 230.0  # fp32 matmul on 2 cores from which the config's sizes fit the demo's time
 MEDIUM = ["data_gen.num_samples=1024", "train.epochs=5"]  # native bf16, slower fp32: data_gen decodes in bf16
@@ -39,6 +39,8 @@ COMPACT_FAST = ["data_gen.num_samples=768", *COMPACT[1:]]
 def fp32_matmul_gflops(seconds: float = 0.5) -> float:
     """The best timing of a 1024x1024 fp32 matmul repeated for `seconds`: what the CPU can do, not what one
     moment gave (a best of 3 read on both sides of FAST_FP32_GFLOPS on one idle host; 0.5 s of repeats is stable)."""
+    import torch
+
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     a @ b
     best, end = float("inf"), time.perf_counter() + seconds
@@ -60,13 +62,17 @@ def sizes_for(gflops: float, native_bf16: bool) -> list[str]:
 def machine_sizes(gflops: float | None = None, native_bf16: bool | None = None) -> list[str]:
     """This machine's sizes (a GPU: the config's), said aloud when smaller; gflops / native_bf16 given: those of a
     CPU with that fp32 matmul rate and native bf16 or not (`--show-sizes --assume`)."""
-    if gflops is None and torch.cuda.is_available():
-        return []
-    gflops = fp32_matmul_gflops() if gflops is None else gflops
-    bf16 = resolve_precision("auto") == "bf16" if native_bf16 is None else native_bf16
-    sizes = sizes_for(gflops, bf16)
+    if gflops is None:
+        import torch
+
+        from core.target.model import resolve_precision
+
+        if torch.cuda.is_available():
+            return []
+        gflops, native_bf16 = fp32_matmul_gflops(), resolve_precision("auto") == "bf16"
+    sizes = sizes_for(gflops, native_bf16)
     if sizes:
-        print(f"demo: this CPU runs fp32 matmul at {gflops:.0f} GFLOP/s{' (native bf16)' if bf16 else ' and has no native bf16'}: "
+        print(f"demo: this CPU runs fp32 matmul at {gflops:.0f} GFLOP/s{' (native bf16)' if native_bf16 else ' and has no native bf16'}: "
               f"smaller sizes ({' '.join(sizes)}) keep the demo under 20 min; the config's full sizes take ~14 min (native "
               "bf16) to ~39 min (fp32 only) on a 2-core CPU: make demo ARGS=\"data_gen.num_samples=1216 train.epochs=5 "
               "train.ttt_steps=3\"", flush=True)
@@ -119,6 +125,8 @@ def main() -> int:
     if args.show_sizes:
         print(json.dumps(args.overrides))
         return 0
+    from core.target.model import cache_root
+
     set_threads(cfg.threads)
     if cached_server_binary(cache_root(cfg)) is not None:  # eval also serves the drafter in llama.cpp
         args.overrides = ["eval.engine=llamacpp", *args.overrides]
