@@ -167,7 +167,7 @@ def trained_next(loss_mask) -> list[bool]:
     return m[1:] + [False]
 
 
-OVERFIT = ["train.epochs=30", "train.lr=3e-3", "eval.draft_steps=3", "eval.max_new_tokens=16", "eval.max_prompts=12",
+OVERFIT = ["train.epochs=30", "train.lr=3e-3", "train.wandb_mode=offline", "eval.draft_steps=3", "eval.max_new_tokens=16", "eval.max_prompts=12",
            "train.tau_every=45", "train.tau_prompts=2", "train.tau_new_tokens=12"]
 
 
