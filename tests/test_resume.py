@@ -151,11 +151,15 @@ def assert_each_sample_once_per_epoch(run_dir: Path) -> list[dict]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU launch path")
 def test_two_processes_stop_and_one_process_finishes_as_if_never_stopped(shards):
+    """The uninterrupted reference is one process accumulating two batches a step (train.grad_accum=2): the global
+    batch of two processes, each step's two batches the ones the two ranks take, so it trains what an uninterrupted
+    two-process run trains (the comment below: the same sum, exact in binary floating point)."""
     ref, run = shards("ref"), shards("run")
-    train_on(2, ref, "train.wandb_mode=offline")
+    train_on(1, ref, "train.grad_accum=2")
+    # epoch 0 is 2 steps ([b0 b1], [b2 + empty]): stops inside epoch 1
+    train_on(2, run, "train.stop_after=3", "train.wandb_mode=offline")
     # rank 0 alone logs: one W&B run, each step's metrics once (checked below), not one run per process
-    assert len(list((ref / "train/wandb").glob("offline-run-*"))) == 1
-    train_on(2, run, "train.stop_after=3")  # epoch 0 is 2 steps ([b0 b1], [b2 + empty]): stops inside epoch 1
+    assert len(list((run / "train/wandb").glob("offline-run-*"))) == 1
     latest = json.loads((run / "train/checkpoints/latest.json").read_text())
     assert (latest["step"], latest["epoch"], latest["world_size"], latest["step_batches"]) == (3, 1, 2, 2)
     assert not (run / "drafter").exists()  # a stopped launch exports nothing
