@@ -54,13 +54,13 @@ def test_bf16_prefill_continues_the_fp32_cache_correctly():
     model, tok = load_target(load_config(ROOT / "configs/smollm2-135m-instruct.yaml"))
     prompts = [prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
     stop = end_of_turn_ids(tok, model.generation_config)
-    fp32 = generate(model, prompts, 16, stop)
-    bf16 = generate(model, prompts, 16, stop, run=DecodeRun(bf16_prefill=True))  # fp32 steps: mostly fp32 greedy's very tokens
+    fp32 = generate(model, prompts, 12, stop)
+    bf16 = generate(model, prompts, 12, stop, run=DecodeRun(bf16_prefill=True))  # fp32 steps: mostly fp32 greedy's very tokens
     agree = [next((i for i, (a, b) in enumerate(zip(x.tokens, y.tokens, strict=False)) if a != b), len(x.tokens))
              for x, y in zip(fp32, bf16, strict=True)]
     assert sum(agree) >= 0.8 * sum(len(x.tokens) for x in fp32) and min(agree) >= 4, agree
     for decoder in (None, bf16_copy(model)):
-        for p, g in zip(prompts, generate(model, prompts, 16, stop, run=DecodeRun(bf16_prefill=True, decode_model=decoder)),
+        for p, g in zip(prompts, generate(model, prompts, 12, stop, run=DecodeRun(bf16_prefill=True, decode_model=decoder)),
                         strict=True):
             with torch.no_grad():  # fp32 logits at every generated position, teacher-forced
                 logits = model(torch.tensor([p + g.tokens])).logits[0, len(p) - 1:-1]
@@ -74,9 +74,9 @@ def test_speculative_equals_greedy_with_untrained_drafter(target):
     model, _, prompts, stop = target
     n = model.config.num_hidden_layers
     d = untrained_drafter(model, [1, n // 2, n - 1])
-    for p in prompts:
-        greedy = generate(model, [p], 20, stop)[0]
-        spec = speculative_generate(model, d, p, 20, stop, Drafting(3))
+    for p in prompts:  # 12 tokens: ~12 rounds, each rejecting drafts and moving both caches back
+        greedy = generate(model, [p], 12, stop)[0]
+        spec = speculative_generate(model, d, p, 12, stop, Drafting(3))
         assert spec.tokens == greedy.tokens and spec.finish_reason == greedy.finish_reason
         assert 1 + sum(spec.accept_lengths) == len(spec.tokens) and all(1 <= a <= 4 for a in spec.accept_lengths)
 
