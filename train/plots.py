@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def plot_curves(rows: list[dict], out: Path) -> None:
+    """Imports matplotlib here, at the run's export: the other ranks, a stopped or failed run and every
+    `python -m train` start skip its ~0.5 s."""
     if not rows:
         return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     seen = [r["samples"] for r in rows]  # not steps: a run resumed on another world size changes their size
     taus = [(r["samples"], r["tau"]) for r in rows if "tau" in r]
     third = bool(taus) or "tau_alpha" in rows[0]
