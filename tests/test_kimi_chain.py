@@ -35,7 +35,7 @@ SIZES = ["target.dtype=fp32", "target.device=cpu", "data_gen.backend=hf", "data_
          "data_gen.max_turns=1", "data_gen.batch_size=4", "data_gen.part_samples=4", "extract.engine=hf",
          "extract.dtype=bf16", "extract.shard_mb=1", "train.epochs=1", "train.ttt_steps=2",
          "train.draft_vocab_size=256", "train.batch_size=2", "train.max_len=512", "eval.engine=hf",
-         "eval.max_prompts=2", "eval.max_new_tokens=16"]
+         "eval.max_prompts=2", "eval.max_new_tokens=8"]
 THINKING = "First I weigh the question, then I answer it."
 
 
