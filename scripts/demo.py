@@ -65,11 +65,13 @@ def machine_sizes(gflops: float | None = None, native_bf16: bool | None = None) 
     if gflops is None:
         import torch
 
-        from core.target.model import resolve_precision
-
         if torch.cuda.is_available():
             return []
-        gflops, native_bf16 = fp32_matmul_gflops(), resolve_precision("auto") == "bf16"
+        gflops = fp32_matmul_gflops()
+    if native_bf16 is None:
+        from core.target.model import resolve_precision
+
+        native_bf16 = resolve_precision("auto") == "bf16"
     sizes = sizes_for(gflops, native_bf16)
     if sizes:
         print(f"demo: this CPU runs fp32 matmul at {gflops:.0f} GFLOP/s{' (native bf16)' if native_bf16 else ' and has no native bf16'}: "

@@ -163,9 +163,8 @@ def test_kill_9_under_zero3_then_rerun_ends_at_the_uninterrupted_weights(new_run
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
     proc.wait()
     assert not (run / "drafter").exists()
-    one_process = types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=object()), num_processes=1)
     with pytest.raises(UserError, match="written by 2 processes under DeepSpeed, whose ZeRO optimizer state is sharded"):
-        read_latest(one_process, run / "train/checkpoints")
+        read_latest(stand_in({}, stage=3, processes=1), run / "train/checkpoints")
     assert "resumed from step-" in launch(config, run, "train.save_every=1").stderr
     assert_same_weights(weights(run), two_process_weights, atol=1e-6)
 
