@@ -16,7 +16,7 @@ from core.storage.conversations import read_conversations
 from core.target.model import load_tokenizer
 from data_gen.generate import main
 from data_gen.openai_client import backoff_delay, retry_after_seconds
-from tests.conftest import ROOT, masked_spans, run_stage
+from tests.conftest import ROOT, masked_spans, run_stage, wait_until
 from tests.fake_openai_server import FakeOpenAIServer, scripted_answer
 
 N_CONV = 40
@@ -79,19 +79,21 @@ def test_kill9_at_random_moments_then_rerun_loses_and_duplicates_nothing(tmp_pat
     rng = random.Random(7)
     with FakeOpenAIServer(fault_rate=0.3, seed=2, latency=0.05, slow_seconds=1.0) as server:
         args = ["data_gen", "--config", "configs/smollm2-135m-instruct.yaml", *flags(tmp_path, server.url, prompts)]
-        killed_mid_run = 0
-        for _ in range(3):
-            proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True)
-            for line in proc.stderr:  # wait until it is generating, then kill at a random moment
-                if "to generate" in line:
-                    break
+        killed_mid_run, conv, log = 0, tmp_path / "run/conversations", tmp_path / "stderr"
+        for attempt in range(3):
+            with log.open("w") as err:
+                proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stderr=err)
+            # kill at a random moment once it is generating; the first launch only after its first part is
+            # committed, so the rerun resumes past committed parts on a machine of any speed
+            wait_until(lambda p=proc: p.poll() is not None or "to generate" in log.read_text(), "data_gen to start", 120)
+            if attempt == 0:
+                wait_until(lambda p=proc: p.poll() is not None or any(conv.glob("part-*.parquet")), "a committed part", 120)
             time.sleep(rng.uniform(0.0, 1.5))
             killed_mid_run += proc.poll() is None
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         assert killed_mid_run >= 2
-        parts_before = sorted(p.name for p in (tmp_path / "run/conversations").glob("part-*.parquet"))
-        assert parts_before, "no part was committed before the kills"
+        assert any(conv.glob("part-*.parquet")), "no part was committed before the kills"
         # a part cut short by a kill, for certain (the random kills above may or may not leave one)
         (tmp_path / "run/conversations/.part-00099.parquet.tmp4194305").write_bytes(b"half a part")
         run_stage(*args)
