@@ -12,7 +12,8 @@ found killed, N1-N12 guard what issue 9 (and the export fixes after it) added, S
 10's speculative sampling and draft trees, F1-F11 issue 13's fast TTT step (flex block mask, fused loss,
 checkpointing, causal kernel + log-sum-exp merge, one-graph unroll), O1-O4 its online training, B1-B5 its norm_before_fc, W1-W5 its resume onto another
 number of processes, G1-G6 issue 14's static batched generation loop (G6: its CPU prefill in row
-groups), P1-P3 data_gen's pool of requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, A1-A3 the grouped decode attention
+groups), P1-P3 data_gen's pool of requests across parts (full `hf` calls), P4-P5 its stop on SIGTERM, P6 its
+rerun after kill -9, A1-A3 the grouped decode attention
 (core/engine/decode_attention.py), D1-D2 data_gen's `dataset` backend (the source's answers), Q1-Q7 issue 13's
 sequence packing (train.kernels.pack_length), H1-H4 its bf16 weights with fp32 masters (train.kernels.bf16_weights),
 E1-E2 train/drafter_accuracy.py (teacher-forced accuracy of an exported drafter), R1-R3 the eager TTT
@@ -286,6 +287,9 @@ MUTANTS = [
            "backend.answer, commit, stop.is_set)", "backend.answer, commit, lambda: False)", TERM),
     Mutant("P5", "a stop commits the unfinished conversations too (cut mid-conversation)", "data_gen/batch_pool.py",
            "for conv in p if id(conv) not in waiting]", "for conv in p]", TERM),
+    Mutant("P6", "a rerun generates again what committed parts hold (their ids not skipped)", "data_gen/generate.py",
+           "todo = [c for c in convs if c.id not in done]", "todo = list(convs)",
+           ("tests/test_data_gen_openai.py::test_kill9_at_random_moments_then_rerun_loses_and_duplicates_nothing",)),
     Mutant("A1", "decode attention pairs query head h with KV head h % KVH, not h // G", "core/engine/decode_attention.py",
            "query.reshape(b, kvh, h // kvh, d)", "query.reshape(b, h // kvh, kvh, d).transpose(1, 2)", DECODE_ATTN),
     Mutant("A2", "decode attention ignores the mask", "core/engine/decode_attention.py",
