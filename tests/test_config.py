@@ -159,7 +159,7 @@ def enum_keys(cfg=None, prefix: str = "") -> list[tuple[str, tuple]]:
 
 def test_every_enum_of_the_config_is_declared():
     keys = enum_keys()
-    assert len(keys) == 23 and ("train.kernels.attention", ("auto", "dense", "flex", "cudnn")) in keys
+    assert len(keys) == 24 and ("train.kernels.attention", ("auto", "dense", "flex", "cudnn")) in keys
     assert ("train.draft_attention", ("gqa", "mla")) in keys and ("train.loss", ("kl", "lk_alpha", "lk_lambda")) in keys
 
 

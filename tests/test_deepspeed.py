@@ -7,7 +7,7 @@ process count, use_cpu and the JSON's path rewritten), on the tiny random target
 - two processes: a ZeRO-2 run stopped at a checkpoint (train.stop_after) and rerun ends at the weights of the
   uninterrupted run, and a ZeRO-3 run killed (-9) after a checkpoint then rerun does too (its export gathers the
   full weights); one process can't take over its shards;
-- ZeRO-3 with the compiled K-step unroll and with the target online, in one launch;
+- ZeRO-3 with the compiled K-step unroll (captured, aot_eager) and with the target online, in one launch;
 - a DeepSpeed JSON whose value conflicts with the run config's is one error naming both (configure_deepspeed).
 """
 
@@ -175,13 +175,14 @@ def test_zero3_gathers_what_a_compiled_step_reads_and_keeps_the_online_target_wh
     eager steps): registered on the objective they are gathered for its whole forward; without that the first
     step indexes a 1-D partition. train.source=online runs the target in the training process, outside
     DeepSpeed's engine: transformers must not build it split over the ranks (ZeRO-3's zero.Init), or its first
-    forward fails."""
+    forward fails. The graph through aot_eager: dynamo captures what inductor would be handed (the partition is
+    read while tracing), without inductor's C++ build of its kernels (~150 CPU-s here on an empty cache)."""
     import shutil
 
     run = tmp_path / "online"
     shutil.copytree(overfit_tiny[1] / "conversations", run / "conversations", ignore=shutil.ignore_patterns(LOCK_FILE))
     launch(launch_config(tmp_path, 3, 1), run, "train.source=online", "train.kernels.compile=unroll",
-           "train.stop_after=1")
+           "train.kernels.compile_backend=aot_eager", "train.stop_after=1")
     assert json.loads((run / "train/checkpoints/latest.json").read_text())["step"] == 1
 
 

@@ -274,7 +274,8 @@ def test_step_options_name_the_setting_that_cannot_run():
         step_options(TrainKernels(attention="cudnn", pack_length=4096), cuda, dc())
     with pytest.raises(UserError, match="train.kernels.attention = flex needs a CUDA device"):
         step_options(TrainKernels(attention="flex"), cpu, dc())
-    assert step_options(TrainKernels(compile="unroll"), cpu, dc(576, 64)).unroll is True
+    assert step_options(TrainKernels(compile="unroll"), cpu, dc(576, 64))[3:] == (True, False, "inductor")
+    assert step_options(TrainKernels(compile="unroll", compile_backend="aot_eager"), cpu, dc()).compile_backend == "aot_eager"
     with pytest.raises(UserError, match=re.escape("train.kernels.attention = 'flesh': must be one of 'auto' |")):
         load_config(overrides=["train.kernels.attention=flesh"])
 
@@ -288,7 +289,7 @@ def test_unrolled_compile_gives_the_reference_loss_and_gradients(monkeypatch, at
     from train import ttt_loss as module
 
     counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(module, "compiled", lambda fn: torch.compile(fn, backend=counter))
+    monkeypatch.setattr(module, "compiled", lambda fn, backend: torch.compile(fn, backend=counter))
     assert_trains_like_the_reference(drafter(), 3, {"unroll": True, "loss_chunk": 7, "attention": attention})
     assert counter.frame_count == 1  # the three steps became one graph (the merged kernel inside it), and it ran
 

@@ -206,13 +206,14 @@ def step_options(kernels: TrainKernels, device: torch.device, dc: DrafterConfig)
                         f"this drafter's is {dc.kernel_head_dim}: use train.kernels.attention=flex (or auto)")
     unroll = kernels.compile == "unroll" or (kernels.compile == "auto" and cuda and dc.hidden_size >= COMPILED_MIN_HIDDEN)
     log.info("TTT step: %s attention, fused head loss in chunks of %s rows, %s, activation checkpointing %s, "
-             "batches %s%s", attention, kernels.loss_chunk or "(off)", "one compiled graph" if unroll else "eager",
+             "batches %s%s", attention, kernels.loss_chunk or "(off)", f"one compiled graph ({kernels.compile_backend})" if unroll else "eager",
              kernels.activation_checkpointing,
              f"packed into rows of {kernels.pack_length} tokens" if kernels.pack_length else "right-padded",
              "" if unroll else ", steps >= 1 on the counted rows only")
     # eager steps skip the rows no later step counts (~1/3 less compute on the demo); graphs keep static shapes
     return StepOptions("merged" if attention == "cudnn" else attention, kernels.loss_chunk,
-                       kernels.activation_checkpointing, unroll, prune_rows=not unroll)
+                       kernels.activation_checkpointing, unroll, prune_rows=not unroll,
+                       compile_backend=kernels.compile_backend)
 
 
 def make_optimizer(params: list[torch.Tensor], tc: TrainConfig) -> torch.optim.Optimizer:

@@ -192,12 +192,12 @@ def diagonal_grads(q, out, lse, dout, keys, values):
 
 
 @functools.cache
-def compiled(fn, dynamic: bool | None = None):
-    """torch.compile(fn), once per function: the TTT step and unroll (train/ttt_loss.py) and, on CUDA, the
-    diagonal merge below (one pass over each tensor instead of one per op; CPU runs the plain functions)."""
+def compiled(fn, dynamic: bool | None = None, backend: str = "inductor"):
+    """torch.compile(fn), once per function and backend: the TTT step and unroll (train/ttt_loss.py) and, on CUDA,
+    the diagonal merge below (one pass over each tensor instead of one per op; CPU runs the plain functions)."""
     # one graph per step k (k earlier keys) and shape family: more than dynamo's default limit of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(fn, dynamic=dynamic)
+    return torch.compile(fn, dynamic=dynamic, backend=backend)
 
 
 class _MergedAttention(torch.autograd.Function):

@@ -143,6 +143,11 @@ class TrainKernels:
     compile: str = _f("auto", "auto | no | unroll: unroll = torch.compile all K TTT steps as one graph (norms, "
                               "RoPE, SiLU fused; weights cast once, their K gradients summed inside it); "
                               "auto = unroll on CUDA, no on CPU", choices=("auto", "no", "unroll"))
+    compile_backend: str = _f("inductor", "inductor | aot_eager: torch.compile's backend for the unroll. inductor "
+                                          "generates fused kernels (the fast path); aot_eager captures the same "
+                                          "graph (dynamo, autograd, functionalization) and runs PyTorch's own "
+                                          "kernels: tells a capture fault from a kernel one, and skips inductor's "
+                                          "C++ build on a CPU", choices=("inductor", "aot_eager"))
     pack_length: int = _f(0, "> 0: pack each micro-batch's samples into rows of exactly this many tokens, several "
                              "documents per row, kept apart by a document mask (static shapes for compiled steps, "
                              "little padding; trains what the padded batch trains); >= train.max_len; 0 = "
