@@ -60,8 +60,8 @@ def served_norm_before_fc(served, overfit_tiny, tmp_path_factory):
     norm_run = tmp_path_factory.mktemp("norm-before-fc") / "run"
     for stage_dir in ("conversations", "hidden"):
         shutil.copytree(run_dir / stage_dir, norm_run / stage_dir)
-    norm_flags = [str(norm_run) if f == str(run_dir) else f for f in flags] + ["train.norm_before_fc=true",
-                                                                              "train.loss=lk_lambda"]
+    norm_flags = [str(norm_run) if f == str(run_dir) else f for f in flags] + [
+        "train.norm_before_fc=true", "train.loss=lk_lambda", "train.wandb_mode=disabled"]  # W&B: test_tau_probe's
     run_stage("train", *norm_flags)
     target = served[1] / "eval/llamacpp/target-f32.gguf"
     run_stage("eval", *norm_flags, f"eval.target_gguf={target}", "--engine", "llamacpp", "--prompts", str(prompts),
@@ -80,7 +80,7 @@ def served_dflash(served, overfit_tiny, tmp_path_factory):
         shutil.copytree(run_dir / stage_dir, dflash_run / stage_dir)
     dflash_flags = [str(dflash_run) if f == str(run_dir) else f for f in flags] + [
         "train.drafter=dflash", "train.dflash.block_size=4", "train.dflash.anchors=16", "train.tau_every=0", "train.epochs=80",
-        "train.lr=1e-2"]
+        "train.lr=1e-2", "train.wandb_mode=disabled"]
     run_stage("train", *dflash_flags)
     target = served[1] / "eval/llamacpp/target-f32.gguf"
     run_stage("eval", *dflash_flags, f"eval.target_gguf={target}", "--engine", "llamacpp", "--prompts", str(prompts),
