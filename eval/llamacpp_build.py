@@ -112,7 +112,7 @@ def server_binary(cache: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (binary := cached_server_binary(cache)) is not None:
             return binary
-        log.info("building llama-server b%d once into %s (~3 min on 2 cores; cached after)", LLAMACPP_BUILD, cache)
+        log.info("building llama-server b%d once into %s (3-4 min on 2 cores; cached after)", LLAMACPP_BUILD, cache)
         return _build(llamacpp_tree(cache), _server_dir(cache))
 
 
