@@ -8,12 +8,12 @@ one core busy there); the tests that serve wait on its lock. Concurrent callers 
 <cache>/llama-server-b11434.lock, the others wait on it and find the binary.
 
 The build is the cheapest one that serves what we use: the llama-server target only, no web UI (nor its
-download from Hugging Face at build time: the build needs no network), a portable AVX2 CPU build (a -march=native
-build has died with SIGILL on these VMs), ggml at -O3 (every matmul and attention runs there), the rest (HTTP,
-JSON, chat templates, graph building) at -O1 in unity batches of 16 sources: 2:48 wall, 5:28 CPU on the idle
-2-core AVX2 EPYC (compiler time: src 33%, common 22%, ggml 18%, server 13%, mtmd 8%, httplib 5%). -O1 starts a
-server as fast as -O3 does (0.5 s); -O0 builds in three quarters of the time but starts in 1.1 s, which the
-suite's ~25 server starts pay on every run.
+download from Hugging Face at build time: the build needs no network), a portable AVX2 CPU build (a
+-march=native build has died with SIGILL on these VMs), ggml at -O3 (every matmul and attention runs there),
+the rest (HTTP, JSON, chat templates, graph building) at -O1 in unity batches of 16 sources: 2:51 wall, 5:38
+CPU on the idle 2-core AVX2 EPYC (compiler time: src 33%, common 22%, ggml 18%, server 13%, mtmd 8%, httplib
+5%). -O1 starts a server as fast as -O3 does (0.5 s); -O0 builds in three quarters of the time but starts in
+1.1 s, which the suite's ~25 server starts pay on every run.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ CONVERTER = "convert_hf_to_gguf.py"  # its presence marks a whole tree
 log = logging.getLogger("eval")
 
 CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_CURL=OFF",
-               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
-               "-DGGML_F16C=ON", "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",  # the build dir is renamed into the cache
+               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+               "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+               "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",  # the build dir is renamed into the cache
                "-DCMAKE_C_FLAGS_RELEASE=-O1 -DNDEBUG", "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG",
                "-DCMAKE_UNITY_BUILD=ON", "-DCMAKE_UNITY_BUILD_BATCH_SIZE=16"]
 

@@ -274,8 +274,10 @@ def test_step_options_name_the_setting_that_cannot_run():
         step_options(TrainKernels(attention="cudnn", pack_length=4096), cuda, dc())
     with pytest.raises(UserError, match="train.kernels.attention = flex needs a CUDA device"):
         step_options(TrainKernels(attention="flex"), cpu, dc())
-    assert step_options(TrainKernels(compile="unroll"), cpu, dc(576, 64))[3:] == (True, False, "inductor")
-    assert step_options(TrainKernels(compile="unroll", compile_backend="aot_eager"), cpu, dc()).compile_backend == "aot_eager"
+    unrolled = step_options(TrainKernels(compile="unroll"), cpu, dc(576, 64))
+    assert unrolled.unroll and not unrolled.prune_rows and unrolled.compile_backend == "inductor"
+    aot = step_options(TrainKernels(compile="unroll", compile_backend="aot_eager"), cpu, dc())
+    assert aot.compile_backend == "aot_eager"
     with pytest.raises(UserError, match=re.escape("train.kernels.attention = 'flesh': must be one of 'auto' |")):
         load_config(overrides=["train.kernels.attention=flesh"])
 

@@ -205,8 +205,9 @@ def step_options(kernels: TrainKernels, device: torch.device, dc: DrafterConfig)
         raise UserError(f"train.kernels.attention = cudnn: cuDNN takes head dims that are multiples of 8 up to 128, "
                         f"this drafter's is {dc.kernel_head_dim}: use train.kernels.attention=flex (or auto)")
     unroll = kernels.compile == "unroll" or (kernels.compile == "auto" and cuda and dc.hidden_size >= COMPILED_MIN_HIDDEN)
+    steps = f"one compiled graph ({kernels.compile_backend})" if unroll else "eager"
     log.info("TTT step: %s attention, fused head loss in chunks of %s rows, %s, activation checkpointing %s, "
-             "batches %s%s", attention, kernels.loss_chunk or "(off)", f"one compiled graph ({kernels.compile_backend})" if unroll else "eager",
+             "batches %s%s", attention, kernels.loss_chunk or "(off)", steps,
              kernels.activation_checkpointing,
              f"packed into rows of {kernels.pack_length} tokens" if kernels.pack_length else "right-padded",
              "" if unroll else ", steps >= 1 on the counted rows only")

@@ -103,10 +103,10 @@ class StepOptions(NamedTuple):
     the same loss and gradients. attention: dense | flex | merged (train/ttt_attention.py); loss_chunk: rows per
     chunk of the fused head loss (0: plain autograd; train/draft_head_loss.py); checkpoint: recompute each step's
     layer in the backward instead of keeping its activations; unroll: all K steps as one torch.compile graph
-    (autocast's weight casts once, not K times; the K gradients of each weight summed inside it) through
-    torch.compile's compile_backend; prune_rows
-    (eager only: compiled graphs want static shapes): steps >= 1 run only on the rows that they or a later step
-    count (`ttt_step_rows`), step 0's o_proj and MLP only on the rows some step counts (`ttt_first_step_rows`)."""
+    (autocast's weight casts once, not K times; the K gradients of each weight summed inside it), through
+    torch.compile's `compile_backend`; prune_rows (eager only: compiled graphs want static shapes): steps >= 1
+    run only on the rows that they or a later step count (`ttt_step_rows`), step 0's o_proj and MLP only on the
+    rows some step counts (`ttt_first_step_rows`)."""
     attention: str = "dense"
     loss_chunk: int = 0
     checkpoint: bool = False
@@ -270,7 +270,8 @@ def ttt_loss(drafter: Eagle3Drafter, rows: Rows, teacher: Teacher, steps: int, d
                        _block_mask(tp, k + 1, aux.device) for k in range(steps)]
     step_masks = tuple(StepMask(attention, m, doc_ids) for m in block_masks)
     if options.unroll:
-        hiddens = compiled(ttt_unroll, backend=options.compile_backend)(drafter, aux, input_ids, positions, step_masks, options.checkpoint)
+        compiled_unroll = compiled(ttt_unroll, backend=options.compile_backend)
+        hiddens = compiled_unroll(drafter, aux, input_ids, positions, step_masks, options.checkpoint)
     else:
         active = later_rows(masks) if options.prune_rows else None
         hiddens = ttt_unroll(drafter, aux, input_ids, positions, step_masks, options.checkpoint, active)
