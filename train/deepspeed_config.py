@@ -79,6 +79,17 @@ def precision_keys(ds: dict, written: dict, where: str, tc: TrainConfig, precisi
     ds["torch_autocast"] = {**autocast, "enabled": precision == "bf16", "dtype": "bfloat16"}
 
 
+def skip_shm_comm_build() -> None:
+    """A CPU launch starts DeepSpeed's process group without its shared-memory all-reduce. DeepSpeed's CPU
+    accelerator JIT-compiles that op (deepspeed_shm_comm, C++ with OpenMP) when the group starts: ~55 CPU-s on the
+    2-core EPYC, needing a compiler, and again for every new venv path (its build key holds the sources' paths).
+    Only `inference_all_reduce` calls it; training reduces through torch.distributed over gloo. Marked not
+    compatible, `deepspeed.init_distributed` leaves it unbuilt. CUDA accelerators have no such op."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def register_external_weights(objective: torch.nn.Module, accelerator: Accelerator) -> None:
     """ZeRO-3: every drafter weight the TTT step reads outside its own module's forward, gathered for the whole
     objective forward (`deepspeed.zero.register_external_parameter`); no-op under other stages."""

@@ -43,7 +43,12 @@ from core.target.model import (
 from train.attention_check import check_merged_attention
 from train.checkpoint import load_checkpoint, read_latest, trim_logs
 from train.data import ShardSource, aux_rms
-from train.deepspeed_config import configure_deepspeed, full_state_dict, register_external_weights
+from train.deepspeed_config import (
+    configure_deepspeed,
+    full_state_dict,
+    register_external_weights,
+    skip_shm_comm_build,
+)
 from train.dflash_loss import DFlashObjective
 from train.draft_vocab import (
     COUNTS_FILE,
@@ -129,7 +134,8 @@ def make_accelerator(cfg: RunConfig, train_dir: Path) -> Accelerator:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"  # set by accelerate launch
     if deepspeed and not torch.cuda.is_available():  # DeepSpeed's CPU accelerator over gloo: Accelerate would take
-        PartialState(cpu=False, backend="gloo")      # no backend, and each rank would count itself alone
+        skip_shm_comm_build()                        # no backend, and each rank would count itself alone
+        PartialState(cpu=False, backend="gloo")
     accelerator = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available() and not deepspeed,
                               mixed_precision="bf16" if resolve_precision(tc.mixed_precision) == "bf16" else "no",
                               log_with="wandb" if tc.wandb_mode != "disabled" else None, project_dir=str(train_dir))
