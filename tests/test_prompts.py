@@ -112,12 +112,14 @@ def test_split_is_deterministic_disjoint_and_near_the_requested_share(sharegpt):
         split_of("x", 101)
 
 
-def test_load_prompts_sharegpt_splits_partition_the_kept_prompts(sharegpt, monkeypatch):
-    monkeypatch.setattr("core.target.prompts.load_sharegpt", lambda: sharegpt)
+def test_load_prompts_sharegpt_splits_partition_the_kept_prompts(sharegpt):
+    """Parsed once per process (core.target.prompts._sharegpt_split); each caller gets its own copies."""
     train = load_prompts("sharegpt", "train", 5.0)
     heldout = load_prompts("sharegpt", "heldout", 5.0)
     assert len(train) + len(heldout) == len(sharegpt[0])
     assert all(split_of(split_key(p), 5.0) == "heldout" for p in heldout)
+    train[0].messages.append({"role": "user", "content": "appended by a caller"})
+    assert load_prompts("sharegpt", "train", 5.0)[0].messages == train[0].messages[:-1]
     with pytest.raises(ValueError, match="split"):
         load_prompts("sharegpt", "test", 5.0)
 
