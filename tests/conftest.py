@@ -35,10 +35,15 @@ SERVE_LLAMACPP = ("test_llamacpp_serving.py", "test_tokenizer_parity.py", "test_
 def pytest_collection_modifyitems(items):
     from eval.llamacpp_build import cached_server_binary, default_cache
 
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    if cached_server_binary(default_cache()) is None:
-        rank.update({name: len(SLOW_FIRST) - 1 + rank[name] / 100 for name in SERVE_LLAMACPP})
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept within
+    serve_later = cached_server_binary(default_cache()) is None
+
+    def group(item) -> tuple[int, int]:  # (slow, then serving while it builds, then the rest; place in SLOW_FIRST)
+        name = item.path.name
+        if name not in SLOW_FIRST:
+            return 2, 0
+        return int(serve_later and name in SERVE_LLAMACPP), SLOW_FIRST.index(name)
+
+    items.sort(key=group)  # stable: file order kept within
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -134,8 +134,8 @@ def make_accelerator(cfg: RunConfig, train_dir: Path) -> Accelerator:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"  # set by accelerate launch
     if deepspeed and not torch.cuda.is_available():  # DeepSpeed's CPU accelerator over gloo: Accelerate would take
-        skip_shm_comm_build()                        # no backend, and each rank would count itself alone
-        PartialState(cpu=False, backend="gloo")
+        skip_shm_comm_build()                        # no backend, and each rank would count itself alone; no C++
+        PartialState(cpu=False, backend="gloo")      # build of an all-reduce that training never calls
     accelerator = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available() and not deepspeed,
                               mixed_precision="bf16" if resolve_precision(tc.mixed_precision) == "bf16" else "no",
                               log_with="wandb" if tc.wandb_mode != "disabled" else None, project_dir=str(train_dir))
